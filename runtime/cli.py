@@ -118,7 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `vllm-guard status | head` is not an error
     vllm_args: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
@@ -231,6 +230,7 @@ def cmd_model(args: argparse.Namespace, _: list[str]) -> int:
 
 
 def cmd_admin(args: argparse.Namespace, _: list[str]) -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `vllm-guard status | head` is not an error
     body: dict[str, Any] = {}
     if getattr(args, "reason", None):
         body["reason"] = args.reason

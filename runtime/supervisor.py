@@ -32,6 +32,11 @@ from .states import (
     EXIT_BOOT_ERROR, EXIT_FAILURE_LIMIT, EXIT_OK, FailureRecord, RecycleRecord, State,
 )
 
+try:  # the patches plugin's runtime side (child env, per-process patch reports)
+    from vllm_guard.patches import hooks as patches_hooks
+except ImportError:  # pragma: no cover - a build without patches/
+    patches_hooks = None  # type: ignore[assignment]
+
 log = structlog.get_logger("vllm_guard.supervisor")
 
 TICK_S = 0.25
@@ -211,7 +216,16 @@ class Supervisor:
     def _child_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_VARS}
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env["VLLM_GUARD_STATE_DIR"] = str(self.state_dir.resolve())
+        env["VLLM_GUARD_GENERATION"] = str(self.generation)
+        if patches_hooks is not None:  # the plugin: VLLM_PLUGINS, allocator settings, injection
+            env = patches_hooks.child_env(env, self.cfg, list(self.cfg.server.vllm_args))
         return env
+
+    def _patch_states(self) -> dict[str, Any]:
+        if patches_hooks is None:
+            return {}
+        return patches_hooks.read_states(self.state_dir, self.generation)
 
     async def _start_generation(self) -> None:
         self.generation += 1
@@ -638,7 +652,7 @@ class Supervisor:
             "model": self.model,
             "ttft": self.proxy.ttft_quantiles(),
             "last_probe": self.last_probe,
-            "patches": {},
+            "patches": self._patch_states(),
             "pid": os.getpid(),
             "port": self.cfg.server.port,
         }
