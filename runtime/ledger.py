@@ -83,27 +83,71 @@ CREATE TABLE IF NOT EXISTS incidents (
     restored_at TEXT,
     data TEXT
 );
--- soak
+-- soak (owned by vllm_guard.soak; times: ISO text, and epoch seconds in REAL *_at columns)
 CREATE TABLE IF NOT EXISTS runs (
     id INTEGER PRIMARY KEY,
+    token TEXT NOT NULL UNIQUE,
     started_at TEXT NOT NULL,
-    params TEXT NOT NULL,
-    ended_at TEXT
+    ended_at TEXT,
+    status TEXT NOT NULL DEFAULT 'running',
+    url TEXT,
+    scenario TEXT,
+    seed INTEGER,
+    duration_s REAL,
+    note TEXT,
+    params TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS requests (
     run_id INTEGER NOT NULL,
     seq INTEGER NOT NULL,
     request_id TEXT NOT NULL,
+    segment INTEGER NOT NULL DEFAULT 0,
+    offset_s REAL,
     scheduled_at REAL,
     sent_at REAL,
+    ended_at REAL,
+    status INTEGER,
     ttft_s REAL,
+    ttft_sched_s REAL,
     e2e_s REAL,
     e2e_sched_s REAL,
     itl_mean_s REAL,
+    itl_max_s REAL,
+    chunks INTEGER,
+    prompt_tokens INTEGER,
     output_tokens INTEGER,
+    generation INTEGER,
     error TEXT,
+    detail TEXT,
     PRIMARY KEY (run_id, seq)
 );
+CREATE TABLE IF NOT EXISTS soak_segments (
+    run_id INTEGER NOT NULL,
+    segment INTEGER NOT NULL,
+    started_at TEXT NOT NULL,
+    wall0 REAL NOT NULL,
+    offset0 REAL NOT NULL,
+    first_seq INTEGER NOT NULL,
+    pid INTEGER,
+    ended_at TEXT,
+    PRIMARY KEY (run_id, segment)
+);
+CREATE TABLE IF NOT EXISTS soak_samples (
+    id INTEGER PRIMARY KEY,
+    run_id INTEGER NOT NULL,
+    at TEXT NOT NULL,
+    generation INTEGER,
+    state TEXT,
+    requests_total INTEGER,
+    requests_generation INTEGER,
+    role TEXT,
+    pid INTEGER,
+    rss_mb REAL,
+    uss_mb REAL,
+    gpu_mb REAL,
+    host_available_mb REAL
+);
+CREATE INDEX IF NOT EXISTS soak_samples_at ON soak_samples (run_id, at);
 CREATE INDEX IF NOT EXISTS samples_at ON samples (at);
 CREATE INDEX IF NOT EXISTS failures_at ON failures (at);
 """
