@@ -1,0 +1,186 @@
+"""The open-loop soak: send on schedule, stream results to the ledger, resume after a kill.
+
+Run time: the schedule's clock counts only while a soak process runs. A segment starts at the
+first request without a result; requests the journal shows as sent but the ledger lacks were
+in flight when the previous process died and are recorded as `lost_in_flight`, never re-sent,
+so every request id reaches the server at most once and every scheduled index ends with one row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from . import client
+from .arrivals import Schedule, prompt_ids
+from .hist import LogHistogram
+from .progress import Progress
+from .sampler import StatusSampler
+from .store import SoakStore
+
+
+@dataclass
+class Live:
+    """Streaming aggregates for the progress line and the summary: constant memory."""
+
+    done: int = 0
+    sent: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    ttft: LogHistogram = field(default_factory=LogHistogram)
+    e2e_sched: LogHistogram = field(default_factory=LogHistogram)
+    lag: LogHistogram = field(default_factory=LogHistogram)  # sent - scheduled
+    output_tokens: int = 0
+
+    def add(self, res: client.Result, lag_s: float, e2e_sched_s: float) -> None:
+        self.done += 1
+        self.lag.add(max(0.0, lag_s))
+        if res.error:
+            self.errors[res.error] = self.errors.get(res.error, 0) + 1
+            return
+        if res.ttft_s is not None:
+            self.ttft.add(res.ttft_s)
+        self.e2e_sched.add(e2e_sched_s)
+        self.output_tokens += res.output_tokens or 0
+
+    @property
+    def failed(self) -> int:
+        return sum(self.errors.values())
+
+
+class Soak:
+    def __init__(self, store: SoakStore, run_id: int, token: str, params: dict[str, Any],
+                 progress: bool = True) -> None:
+        self.store, self.run_id, self.token, self.p = store, run_id, token, params
+        self.sched = Schedule(params["rate"], params["burstiness"], params["seed"], params["mode"],
+                              params["burst_period_s"], params["burst_duty"])
+        self.live = Live()
+        self.stop = asyncio.Event()
+        self.show_progress = progress
+        self.segment = 0
+
+    def _body(self, seq: int) -> dict[str, Any]:
+        return {"model": self.p["model"], "prompt": prompt_ids(self.p["seed"], seq, self.p["prompt_tokens"]),
+                "max_tokens": self.p["output_tokens"], "stream": True, "ignore_eos": True,
+                "temperature": 0.0, "stream_options": {"include_usage": True}}
+
+    def _recover(self) -> tuple[int, set[int]]:
+        """Record journal-sent requests that have no row as lost; return what to skip."""
+        first, above = self.store.progress(self.run_id)
+        lost: dict[int, tuple[str, float]] = {}
+        for seq, rid, sent_at in self.store.read_journal(self.token):
+            if seq >= first and seq not in above:
+                lost.setdefault(seq, (rid, sent_at))
+        for seq, (rid, sent_at) in lost.items():
+            self.store.put_request({"run_id": self.run_id, "seq": seq, "request_id": rid, "sent_at": sent_at,
+                                    "error": client.LOST, "detail": "soak process died with this request in flight"})
+        self.store.flush()
+        return self.store.progress(self.run_id)
+
+    async def run(self) -> str:
+        first, skip = self._recover()
+        duration, limit = self.p["duration_s"], self.p.get("max_requests")
+        offsets = self.sched.offsets(first)
+        _, offset0 = next(self.sched.offsets(first))
+        mono0, wall0 = time.monotonic(), time.time()
+        self.segment = self.store.start_segment(self.run_id, wall0, offset0, first)
+        self.store.open_journal(self.token)
+        cap = self.p.get("concurrency")
+        sem = asyncio.Semaphore(cap) if cap else None
+        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        tasks: set[asyncio.Task[None]] = set()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop.set)
+        bg: list[asyncio.Task[Any]] = []
+        if self.p.get("state_dir"):
+            sampler = StatusSampler(self.p["state_dir"], self.run_id, self.store.put_samples,
+                                    self.p["sample_interval_s"])
+            bg.append(asyncio.create_task(sampler.run()))
+        prog = Progress(self, duration, offset0, mono0, enabled=self.show_progress)
+        bg.append(asyncio.create_task(prog.run()))
+        status = "done"
+        async with aiohttp.ClientSession(connector=conn, auto_decompress=False) as session:
+            for seq, off in offsets:
+                if off >= duration or (limit is not None and seq >= limit):
+                    break
+                if seq in skip:
+                    continue
+                target = mono0 + (off - offset0)
+                delay = target - time.monotonic()
+                if delay > 0.0005:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.stop.wait(), delay)
+                if self.stop.is_set():
+                    status = "interrupted"
+                    break
+                if sem is not None:
+                    await sem.acquire()
+                task = asyncio.create_task(self._one(session, seq, off, target, mono0, wall0, offset0, sem))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                done_wait = asyncio.gather(*tasks, return_exceptions=True)
+                grace = 10.0 if self.stop.is_set() else self.p["timeout_s"] + 5
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(done_wait), grace)
+                for t in list(tasks):
+                    t.cancel()
+        for t in bg:
+            t.cancel()
+        await asyncio.gather(*bg, return_exceptions=True)
+        prog.final()
+        self.store.end_run(self.run_id, self.segment, status)
+        return status
+
+    async def _one(self, session: aiohttp.ClientSession, seq: int, off: float, target: float,
+                   mono0: float, wall0: float, offset0: float, sem: asyncio.Semaphore | None) -> None:
+        rid = f"soak-{self.token[:12]}-{seq}"
+        try:
+            sent_wall = wall0 + (time.monotonic() - mono0)
+            self.store.journal_sent(seq, rid, sent_wall)
+            self.live.sent += 1
+            res, t_send = await client.stream_completion(session, self.p["url"], self._body(seq), rid,
+                                                         self.p["timeout_s"])
+        finally:
+            if sem is not None:
+                sem.release()
+        lag = t_send - target
+        e2e_sched = (res.e2e_s or 0.0) + lag
+        self.live.add(res, lag, e2e_sched)
+        ttft_sched = None if res.ttft_s is None else res.ttft_s + lag
+        self.store.put_request({
+            "run_id": self.run_id, "seq": seq, "request_id": rid, "segment": self.segment, "offset_s": off,
+            "scheduled_at": wall0 + (target - mono0), "sent_at": wall0 + (t_send - mono0),
+            "ended_at": wall0 + (t_send + (res.e2e_s or 0.0) - mono0), "status": res.status,
+            "ttft_s": res.ttft_s, "ttft_sched_s": ttft_sched, "e2e_s": res.e2e_s, "e2e_sched_s": e2e_sched,
+            "itl_mean_s": res.itl_mean_s, "itl_max_s": res.itl_max_s, "chunks": res.chunks,
+            "prompt_tokens": res.prompt_tokens, "output_tokens": res.output_tokens,
+            "generation": res.generation, "error": res.error, "detail": res.detail,
+        })
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def summary(s: Soak, status: str) -> dict[str, Any]:
+    """End-of-run figures (the benchmark reads these)."""
+    L = s.live
+    q = (lambda h, f: None if h.quantile(f) is None else round(h.quantile(f), 6))  # noqa: E731
+    return {
+        "run_id": s.run_id, "status": status, "sent": L.sent, "finished": L.done, "failed": L.failed,
+        "errors": dict(L.errors), "output_tokens": L.output_tokens,
+        "ttft_p50_s": q(L.ttft, 0.5), "ttft_p99_s": q(L.ttft, 0.99),
+        "e2e_sched_p50_s": q(L.e2e_sched, 0.5), "e2e_sched_p99_s": q(L.e2e_sched, 0.99),
+        "lag_p50_s": q(L.lag, 0.5), "lag_p99_s": q(L.lag, 0.99), "lag_max_s": q(L.lag, 1.0),
+        "ledger_commits": s.store.commits, "ledger_rows": s.store.rows,
+        "rate": s.p["rate"] if not math.isinf(s.p["rate"]) else None,
+    }
