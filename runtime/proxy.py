@@ -33,6 +33,9 @@ _HOP = {
 _ENGINE_DEAD_MARKERS = (b"EngineDeadError", b"EngineCore encountered an issue", b"Engine loop has died")
 
 
+MAX_ATTEMPTS = 10  # tries of a request whose backend died before answering
+
+
 class Reject(Exception):
     """No backend can take the request in time: 503 with Retry-After."""
 
@@ -211,7 +214,7 @@ class Proxy:
                 self.counters.retried += 1
                 log.info("request_retry", request_id=rid, generation=t.generation, attempt=attempt, error=str(e))
                 self.on_error(t)
-                if attempt >= 5 or time.monotonic() >= deadline:
+                if attempt >= MAX_ATTEMPTS or time.monotonic() >= deadline:
                     return self._fail(rid, 502, f"backend failed {attempt} times: {e}", counted)
                 await self._wait_for_new_target(t, 1.0)
             finally:

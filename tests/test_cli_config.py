@@ -1,0 +1,107 @@
+"""Bad config, bad CLI, runtime-owned args after `--`: exit 2, one clear line, nothing started."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import GUARD
+from vllm_guard.runtime.config import ConfigError, load, parse_duration, validate
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([GUARD, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+@pytest.mark.parametrize(
+    "toml, needle",
+    [
+        ("[recycle]\nmax_requests = 'ten'\n", "[recycle] max_requests has value 'ten'"),
+        ("[recycle]\nmax_requets = 10\n", "[recycle] max_requets is not a known key"),
+        ("[recyle]\nmax_requests = 10\n", "[recyle] is not a known section"),
+        ("[recycle]\nmax_uptime = '3 weeks'\n", "[recycle] max_uptime has value '3 weeks'"),
+        ("[recycle]\nmax_requests_jitter = 5\n", "max_requests_jitter has value 5: needs max_requests"),
+        ("[server]\nport = 70000\n", "[server] port has value 70000"),
+        ("[server]\nport = true\n", "[server] port has value True"),
+        ("[probe]\nfailures = 0\n", "[probe] failures has value 0"),
+        ("[server\n", "is not valid TOML"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line_naming_key_and_value(tmp_path: Path, toml: str, needle: str) -> None:
+    cfg = tmp_path / "guard.toml"
+    cfg.write_text(toml)
+    state = tmp_path / "state"
+    r = run("serve", "--config", str(cfg), "--state-dir", str(state), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0]
+    assert not state.exists(), "nothing may be started or created on a config error"
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["serve", "--max-requests", "many"], "'many' is not an integer"),
+        (["serve", "--port", "x"], "'x' is not an integer"),
+        (["serve", "--bogus"], "unrecognized arguments: --bogus"),
+        (["serve", "--", "--port", "9000"], "'--port' after -- is owned by the runtime"),
+        (["serve", "--", "--host=0.0.0.0"], "'--host=0.0.0.0' after -- is owned by the runtime"),
+        (["serve", "--", "--model", "x"], "'--model' after -- is owned by the runtime"),
+        (["serve", "--max-uptime", "soon"], "max_uptime has value 'soon'"),
+        (["status", "--", "x"], "arguments after -- are only for serve"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["serve", "--config", "/nonexistent/guard.toml"], "does not exist"),
+    ],
+)
+def test_bad_cli_exits_2_with_one_line(tmp_path: Path, args: list[str], needle: str) -> None:
+    r = run(*args, "--state-dir", str(tmp_path / "s")) if args[0] == "serve" and "--" not in args else run(*args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0], lines[0]
+    assert not (tmp_path / "s").exists()
+
+
+def test_port_in_use_is_a_usage_error(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run("serve", "--port", str(port), "--state-dir", str(tmp_path / "s"))
+    assert r.returncode == 2
+    assert f"cannot bind 127.0.0.1:{port}" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_admin_commands_without_a_runtime_fail_cleanly(tmp_path: Path) -> None:
+    r = run("status", "--state-dir", str(tmp_path))
+    assert r.returncode == 1
+    assert "no runtime at" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("text, seconds", [("90s", 90), ("30m", 1800), ("24h", 86400), ("1d", 86400),
+                                           ("250ms", 0.25), (45, 45), ("1.5h", 5400)])
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+def test_cli_flags_override_the_file(tmp_path: Path) -> None:
+    from vllm_guard.runtime.cli import build_parser, serve_config
+
+    cfg = tmp_path / "guard.toml"
+    cfg.write_text("[recycle]\nmax_requests = 100\nmax_uptime = '1d'\n[server]\nvllm_args = ['--enforce-eager']\n")
+    args = build_parser().parse_args(["serve", "--config", str(cfg), "--max-requests", "7"])
+    c = serve_config(args, ["--max-model-len", "512"])
+    assert c.recycle.max_requests == 7 and c.recycle.max_uptime == 86400
+    assert c.server.vllm_args == ["--enforce-eager", "--max-model-len", "512"]
+
+
+def test_defaults_validate() -> None:
+    validate(load(None))
+    with pytest.raises(ConfigError):
+        parse_duration("-5s")
