@@ -1,0 +1,133 @@
+"""The terminal view of a report's figures dict (and the side-by-side compare table)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def fmt(v: Any, unit: str = "", nd: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}{unit}"
+    return f"{v}{unit}"
+
+
+def ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f} ms"
+
+
+def _interval(s: dict[str, Any], nd: int = 2) -> str:
+    if s.get("slope") is None:
+        return "-"
+    return f"{s['slope']:.{nd}f} [{fmt(s['low'], nd=nd)}, {fmt(s['high'], nd=nd)}]"
+
+
+def render_text(f: dict[str, Any]) -> str:
+    out = [f"vllm-guard report  {f['ledger']}  ({f['label']})", ""]
+    s = f["service"]
+    out.append("SERVICE")
+    if not s.get("present"):
+        out.append(f"  {s['note']}")
+    else:
+        m = s["mtbf"]
+        conf = int(round(100 * m["confidence"]))
+        two = (f"{fmt(m['two_sided_low_h'])}-{fmt(m['two_sided_high_h'])} h" if m["two_sided_low_h"] is not None
+               else "n/a (no failure)")
+        out += [
+            f"  observed {fmt(s['observed_h'], ' h', 3)}, up {fmt(s['up_h'], ' h', 3)}, availability "
+            f"{fmt(None if s['availability'] is None else 100 * s['availability'], ' %', 3)}",
+            f"  unplanned failures {s['failures_unplanned']}; MTBF {fmt(m['mtbf_h'], ' h')} "
+            f"(>= {fmt(m['lower_one_sided_h'])} h at {conf} % one-sided; {conf} % two-sided {two}); "
+            f"MTTR {fmt(s['mttr_s'], ' s')}",
+            f"  downtime planned {fmt(s['downtime_planned_s'], ' s')}, unplanned {fmt(s['downtime_unplanned_s'], ' s')}; "
+            f"host reboots {len(s['reboots'])}",
+            f"  recycles: {s['recycles']['scheduled']} scheduled, {s['recycles']['preventive']} preventive",
+        ]
+        for r in s["recycles"]["list"][-10:]:
+            out.append(f"    - gen {r['generation']} {r['trigger']} ({r['class']}) at {r['started_at']}, "
+                       f"in flight {r['in_flight']}, queued {r['queued']}, took {fmt(r['duration_s'], ' s')}")
+        for e in s["unplanned_events"][-10:]:
+            out.append(f"    ! gen {e['generation']} {e['kind']} at {e['at']}, restored after {fmt(e['restore_s'], ' s')}")
+    out += ["", "LEAKS" + (f"  (source: {f['leak']['source']} samples)" if f["leak"].get("source") else "")]
+    if not f["leak"]["processes"]:
+        out.append(f"  {f['leak']['note']}")
+    for p in f["leak"]["processes"]:
+        out.append(f"  {p['role']:<11} {p['metric']:<7} {_interval(p['per_100_requests'])} MB/100 req, "
+                   f"{_interval(p['per_hour'])} MB/h, last {fmt(p['last_mb'], ' MB')}, "
+                   f"time to OOM {fmt(p['time_to_oom_h'], ' h')}")
+    if f.get("patches"):
+        out.append(f"  patches: {f['patches']}")
+    out += ["", "THERMAL"]
+    t = f["thermal"]
+    if not t["present"]:
+        out.append(f"  {t['note']}")
+    for g in t["gpus"]:
+        out.append(f"  {g['name']} {g['uuid']}: max {fmt(g['max_temp_c'], ' C', 0)}, throttled "
+                   f"{fmt(None if g['throttled_share'] is None else 100 * g['throttled_share'], ' %')}, SM clock p50 "
+                   f"{fmt(g['sm_clock_p50_mhz'], ' MHz', 0)} of {fmt(g['sm_clock_max_mhz'], ' MHz', 0)} "
+                   f"(drop {fmt(g['clock_drop_pct'], ' %')}); throughput throttled {fmt(g['throughput_throttled_rps'], ' req/s', 2)}"
+                   f" vs {fmt(g['throughput_unthrottled_rps'], ' req/s', 2)}")
+    out += ["", "LATENCY AND ERRORS"]
+    lat = f["latency"]
+    if not lat["present"]:
+        out.append(f"  {lat['note']}")
+    else:
+        out.append(f"  requests {lat['requests']}, failed {lat['failed']} ({100 * lat['error_rate']:.3f} %), "
+                   f"{fmt(lat['throughput_rps'], ' req/s', 2)}, {fmt(lat['output_tokens_per_s'], ' tok/s')}")
+        for k, name in (("ttft_s", "TTFT"), ("ttft_sched_s", "TTFT (sched)"), ("itl_mean_s", "ITL"),
+                        ("e2e_s", "E2E"), ("e2e_sched_s", "E2E (sched)")):
+            q = lat[k]
+            out.append(f"  {name:<13} p50 {ms(q['p50'])}  p95 {ms(q['p95'])}  p99 {ms(q['p99'])}")
+        for cat, n in lat["errors"].items():
+            out.append(f"  error {cat}: {n}")
+    if not f["incidents"]["present"]:
+        out += ["", f"INCIDENTS  {f['incidents']['note']}"]
+    else:
+        out += ["", "INCIDENTS"] + [f"  {i['detected_at']} {i['kind']} ({i['class']}): {i['cause']} -> {i['action']}"
+                                    for i in f["incidents"]["list"][-20:]]
+    if not f["watchdog_samples"]["present"]:
+        out.append(f"note: {f['watchdog_samples']['note']}")
+    return "\n".join(out) + "\n"
+
+
+def _leak(f: dict[str, Any], role: str, metric: str) -> float | None:
+    for p in f["leak"]["processes"]:
+        if p["role"] == role and p["metric"] == metric:
+            return p["per_100_requests"]["slope"]
+    return None
+
+
+def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """The figures worth a side-by-side look: (name, A, B)."""
+    def g(f: dict[str, Any], *path: str) -> Any:
+        cur: Any = f
+        for k in path:
+            cur = cur.get(k) if isinstance(cur, dict) else None
+        return cur
+    rows = [("label", a["label"], b["label"])]
+    for name, path in (("up h", ("service", "up_h")), ("availability", ("service", "availability")),
+                       ("unplanned failures", ("service", "failures_unplanned")),
+                       ("MTBF h", ("service", "mtbf", "mtbf_h")), ("MTBF lower h", ("service", "mtbf", "lower_one_sided_h")),
+                       ("MTTR s", ("service", "mttr_s")), ("requests", ("latency", "requests")),
+                       ("error rate", ("latency", "error_rate")), ("throughput req/s", ("latency", "throughput_rps")),
+                       ("output tok/s", ("latency", "output_tokens_per_s")),
+                       ("TTFT p50 s", ("latency", "ttft_s", "p50")), ("TTFT p99 s", ("latency", "ttft_s", "p99")),
+                       ("ITL p50 s", ("latency", "itl_mean_s", "p50")), ("E2E p99 s", ("latency", "e2e_s", "p99"))):
+        rows.append((name, g(a, *path), g(b, *path)))
+    roles = sorted({(p["role"], p["metric"]) for f in (a, b) for p in f["leak"]["processes"]})
+    for role, metric in roles:
+        rows.append((f"leak {role} {metric} MB/100req", _leak(a, role, metric), _leak(b, role, metric)))
+    ta, tb = (f["thermal"]["gpus"][0] if f["thermal"]["gpus"] else {} for f in (a, b))
+    for name, key in (("max temp C", "max_temp_c"), ("throttled share", "throttled_share"),
+                      ("SM clock drop %", "clock_drop_pct")):
+        rows.append((name, ta.get(key), tb.get(key)))
+    return rows
+
+
+def render_compare_text(a: dict[str, Any], b: dict[str, Any], rows: list[tuple[str, Any, Any]]) -> str:
+    w = max(len(r[0]) for r in rows)
+    cell = (lambda v: fmt(v, nd=4) if isinstance(v, float) else fmt(v))  # noqa: E731
+    out = [f"{'':<{w}}  {'A: ' + a['ledger']:<40}  B: {b['ledger']}"]
+    out += [f"{k:<{w}}  {cell(x):<40}  {cell(y)}" for k, x, y in rows]
+    return "\n".join(out) + "\n"
