@@ -1,0 +1,133 @@
+"""Memory drift: Theil-Sen slope of each service process's memory against requests and time.
+
+Per process (vLLM preallocates KV, so totals stay flat: look per pid) and per memory kind
+(host RSS from psutil, GPU from NVML's per-process list). Points start after a warm-up of
+requests; a slope counts only when its confidence interval clears the noise floor; then
+time-to-OOM = headroom / slope in time, and a forecast inside the horizon asks for a
+preventive recycle. Requests are the runtime's `requests_total`, which never counts probes.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_guard.runtime.ledger import PREVENTIVE
+
+from .base import Action, CheckResult, Finding, Health, Sample, result
+from .settings import WatchdogConfig
+from .stats import theil_sen, time_to_exhaust
+
+MAX_SERIES_POINTS = 7200
+
+
+@dataclass
+class Series:
+    role: str
+    start_requests: float
+    pts: collections.deque[tuple[float, float, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=MAX_SERIES_POINTS))
+
+
+class DriftDetector:
+    name = "memory_drift"
+
+    def __init__(self, cfg: WatchdogConfig) -> None:
+        self.cfg = cfg
+        self.series: dict[tuple[str, str], Series] = {}
+
+    def is_supported(self, s: Sample) -> bool:
+        return bool(s.get("status")) and bool(s.get("procs"))
+
+    def _readings(self, s: Sample) -> dict[tuple[str, str], tuple[str, float]]:
+        out: dict[tuple[str, str], tuple[str, float]] = {}
+        for pid, m in (s.get("procs") or {}).items():
+            out[("host_rss", pid)] = (m["role"], m["rss_mb"])
+        for g in (s.get("nvml") or {}).get("gpus", []):
+            for p in g.get("processes", []):
+                pid = str(p["pid"])
+                if pid in (s.get("procs") or {}) and p.get("used_mb") is not None:
+                    role = s["procs"][pid]["role"]
+                    key = ("gpu", pid)
+                    out[key] = (role, out.get(key, (role, 0.0))[1] + p["used_mb"])
+        return out
+
+    def _headroom(self, s: Sample, memory: str) -> float | None:
+        procs = s.get("procs") or {}
+        if memory == "host_rss":
+            if self.cfg.host_budget_mb:
+                return self.cfg.host_budget_mb - sum(m["rss_mb"] for m in procs.values())
+            return (s.get("host") or {}).get("mem_available_mb")
+        gpus = (s.get("nvml") or {}).get("gpus", [])
+        if self.cfg.gpu_budget_mb:
+            used = sum(p["used_mb"] or 0 for g in gpus for p in g["processes"] if str(p["pid"]) in procs)
+            return self.cfg.gpu_budget_mb - used
+        free = [g["mem_total_mb"] - g["mem_used_mb"] for g in gpus if g.get("mem_total_mb") is not None]
+        return min(free) if free else None
+
+    def check(self, s: Sample) -> CheckResult:
+        if not self.is_supported(s):
+            return result(self.name, s, Health.UNKNOWN, "no runtime status or no service processes")
+        requests = float(s["status"]["requests_total"])
+        readings = self._readings(s)
+        for key in [k for k in self.series if k not in readings]:
+            del self.series[key]  # process gone (recycled): a new generation starts a new series
+        findings: list[Finding] = []
+        out: list[dict[str, Any]] = []
+        warming = False
+        for key, (role, mb) in readings.items():
+            ser = self.series.setdefault(key, Series(role, requests))
+            if requests - ser.start_requests < self.cfg.warmup_requests:
+                warming = True
+                continue
+            ser.pts.append((requests, float(s["t"]), mb))
+            verdict = self._judge(s, key, ser)
+            if verdict is None:
+                warming = True
+                continue
+            out.append(verdict)
+            findings.extend(self._findings(key, verdict))
+        data = {"series": out}
+        if any(f.action is Action.RECYCLE for f in findings):
+            return result(self.name, s, Health.UNHEALTHY, findings[-1].cause, findings, data)
+        if findings:
+            return result(self.name, s, Health.DEGRADED, findings[-1].cause, findings, data)
+        if warming and not out:
+            return result(self.name, s, Health.INITIALIZING, "warming up / collecting points", data=data)
+        return result(self.name, s, Health.HEALTHY, "no significant growth", data=data)
+
+    def _judge(self, s: Sample, key: tuple[str, str], ser: Series) -> dict[str, Any] | None:
+        reqs = [p[0] for p in ser.pts]
+        if len(ser.pts) < self.cfg.drift_min_points or max(reqs) - min(reqs) < self.cfg.drift_min_requests:
+            return None
+        by_req = theil_sen(reqs, [p[2] for p in ser.pts])
+        by_time = theil_sen([p[1] for p in ser.pts], [p[2] for p in ser.pts])
+        if by_req is None:
+            return None
+        memory, pid = key
+        headroom = self._headroom(s, memory)
+        significant = by_req.low * 100 > self.cfg.noise_floor_mb_per_100
+        per_s = by_time.slope if by_time is not None else 0.0
+        tto = time_to_exhaust(headroom, per_s) if significant and headroom is not None else None
+        rto = time_to_exhaust(headroom, by_req.slope) if significant and headroom is not None else None
+        return {"memory": memory, "pid": int(pid), "role": ser.role, "points": len(ser.pts),
+                "requests_span": max(reqs) - min(reqs), "requests": reqs[-1],
+                "slope_mb_per_100": round(by_req.slope * 100, 4),
+                "ci_mb_per_100": [round(by_req.low * 100, 4), round(by_req.high * 100, 4)],
+                "slope_mb_per_h": round(per_s * 3600, 2), "headroom_mb": headroom,
+                "significant": significant, "time_to_oom_s": None if tto is None else round(tto, 1),
+                "requests_to_oom": None if rto is None else round(rto)}
+
+    def _findings(self, key: tuple[str, str], v: dict[str, Any]) -> list[Finding]:
+        if not v["significant"]:
+            return []
+        k = f"{key[0]}:{key[1]}"
+        cause = (f"{v['role']} (pid {v['pid']}) {v['memory']} grows {v['slope_mb_per_100']:.2f} MB/100 requests "
+                 f"({v['slope_mb_per_h']:.0f} MB/h)")
+        out = [Finding("memory_drift", k, cause, PREVENTIVE, Action.NONE, dict(v))]
+        tto = v["time_to_oom_s"]
+        if tto is not None and tto <= self.cfg.forecast_horizon:
+            out.append(Finding("memory_forecast", k, f"{cause}: out of memory in {tto / 3600:.1f} h",
+                               PREVENTIVE, Action.RECYCLE, dict(v)))
+        return out
