@@ -1,0 +1,85 @@
+"""The patches we ship, as data: id, what each fixes, version range, roles, targets.
+
+Version range: the V1 block pool with `req_to_blocks` and per-request `_free_request` has this
+shape from the 0.2x line on; read and verified on 0.25.1 (GPU path) and 0.32.0 (CPU path). Past
+the range every patch is skipped with the reason rather than guessed at.
+"""
+
+from __future__ import annotations
+
+from .registry import PatchDef, Target
+
+MIN_VERSION = "0.20"
+MAX_VERSION = "0.40"
+
+SCHED = "vllm.v1.core.sched.scheduler"
+CORE = "vllm.v1.engine.core"
+
+T_FREE_REQUEST = Target(SCHED, "Scheduler", "_free_request", ("request",), ("requests", "kv_cache_manager"))
+T_FREE_BLOCKS = Target(SCHED, "Scheduler", "_free_blocks", ("request",))
+T_ADD_REQUEST = Target(SCHED, "Scheduler", "add_request", ("request",))
+T_IDLE = Target(CORE, "EngineCoreProc", "_notify_idle_state_callbacks", (), ("scheduler",))
+T_KVM = Target("vllm.v1.core.kv_cache_manager", "KVCacheManager", None, (), ("coordinator", "block_pool"))
+T_COORD = Target("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator", "free", ("request_id",),
+                 ("single_type_managers", "block_pool", "get_blocks"))
+T_SINGLE = Target("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", None, (),
+                  ("req_to_blocks", "block_pool"))
+T_POOL = Target("vllm.v1.core.block_pool", "BlockPool", "free_blocks", ("ordered_blocks",),
+                ("blocks", "null_block", "num_gpu_blocks", "get_num_free_blocks", "get_usage"))
+T_BLOCK = Target("vllm.v1.core.kv_cache_utils", "KVCacheBlock", None, (), ("block_id", "ref_cnt", "is_null"))
+T_OUTPUT = Target("vllm.v1.engine.output_processor", "OutputProcessor", "add_request", ("request",),
+                  ("request_states",))
+T_WORKER = Target("vllm.v1.worker.worker_base", "WorkerWrapperBase", "execute_model")
+T_INIT_DEVICE = Target("vllm.v1.worker.gpu_worker", "Worker", "init_device")
+
+KV_BLOCK_AUDIT = PatchDef(
+    id="kv-block-audit",
+    fixes="lost KV block references: blocks held in req_to_blocks or by ref count for no live request "
+          "(V1 BlockPool; leak class of vLLM #44175/#44490)",
+    summary="at idle: free blocks must equal pool size minus the null block; orphans are reclaimed "
+            "through the coordinator and reported with their ids",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("engine_core",),
+    targets=(T_IDLE, T_FREE_REQUEST, T_KVM, T_COORD, T_SINGLE, T_POOL, T_BLOCK),
+)
+
+IDLE_RELEASE = PatchDef(
+    id="idle-release",
+    fixes="host RSS and allocator cache growing outside the KV pool (vLLM #28726, #44175/#44490)",
+    summary="after T s idle, once per idle period, off the hot path: gc.collect + malloc_trim(0); "
+            "torch.cuda.empty_cache where the CUDA allocator lives; bytes released reported",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("api_server", "engine_core", "worker"),
+    targets=(T_FREE_REQUEST, T_ADD_REQUEST, T_OUTPUT, T_WORKER),
+)
+
+ALLOCATOR = PatchDef(
+    id="allocator-settings",
+    fixes="CUDA caching-allocator fragmentation outside the KV pool (PYTORCH_CUDA_ALLOC_CONF="
+          "expandable_segments:True; not with sleep mode or TP custom all-reduce: vLLM #14189, #43923); "
+          "host arena growth (MALLOC_ARENA_MAX)",
+    summary="set by the runtime in the child env; each process reports what it got",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("api_server", "engine_core", "worker"),
+)
+
+FAULT_INJECTION = PatchDef(
+    id="fault-injection",
+    fixes="test only: host/device leaks, skipped block frees, GPU budget, hang, crash (off by default)",
+    summary="VLLM_GUARD_INJECT or [inject]; publishes what it did to inject.jsonl",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("engine_core", "worker"),
+    targets=(T_FREE_REQUEST, T_FREE_BLOCKS, T_ADD_REQUEST, T_COORD, T_BLOCK, T_INIT_DEVICE),
+)
+
+ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION)
+
+# Targets a role actually touches (a worker never sees the scheduler, and so on).
+ROLE_TARGETS: dict[tuple[str, str], tuple[Target, ...]] = {
+    ("idle-release", "engine_core"): (T_FREE_REQUEST, T_ADD_REQUEST),
+    ("idle-release", "api_server"): (T_OUTPUT,),
+    ("idle-release", "worker"): (T_WORKER,),
+    ("fault-injection", "engine_core"): (T_FREE_REQUEST, T_FREE_BLOCKS, T_ADD_REQUEST, T_COORD, T_BLOCK,
+                                         T_INIT_DEVICE),
+    ("fault-injection", "worker"): (T_INIT_DEVICE,),
+}
+
+
+def targets_for(defn: PatchDef, role: str) -> tuple[Target, ...]:
+    return ROLE_TARGETS.get((defn.id, role), defn.targets)

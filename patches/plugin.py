@@ -1,0 +1,184 @@
+"""`register()`: runs in every vLLM process (general plugin); applies the patches for its role.
+
+Idempotent per process. Never raises into vLLM: a patch whose target does not have the expected
+shape is skipped with the reason, an exception while applying marks it failed, and the process
+report says which. The report is `<state>/patches/gen-<N>/<pid>.json` (see report.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+from typing import Any, Callable
+
+from . import defs, registry
+from .report import Channel
+from .spec import ChildSettings, from_env
+
+log = logging.getLogger("vllm.vllm_guard.patches")
+
+_STATE: dict[str, Any] = {}
+
+
+def detect_role() -> str:
+    name = multiprocessing.current_process().name
+    if name.startswith("EngineCore"):
+        return "engine_core"
+    if name.startswith("VllmWorker") or name.startswith("Worker"):
+        return "worker"
+    return "api_server"
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+class Plugin:
+    """The per-process plugin state: applied patches, their live objects, the report."""
+
+    def __init__(self, role: str, settings: ChildSettings, channel: Channel) -> None:
+        self.role = role
+        self.settings = settings
+        self.channel = channel
+        self.version = vllm_version()
+        self.states: dict[str, dict[str, Any]] = {}
+        self.parts: dict[str, Any] = {}  # patch id -> object with summary()
+
+    def apply_all(self) -> None:
+        appliers: dict[str, Callable[[], str]] = {
+            "kv-block-audit": self._audit, "idle-release": self._idle,
+            "allocator-settings": self._allocator, "fault-injection": self._inject,
+        }
+        for defn in defs.ALL:
+            self.states[defn.id] = self._apply_one(defn, appliers[defn.id])
+        self.write()
+
+    def _apply_one(self, defn: registry.PatchDef, fn: Callable[[], str]) -> dict[str, Any]:
+        if defn.id != "fault-injection" and not self.settings.patches.wants(defn.id):
+            return {"state": "skipped", "reason": "disabled in [patches]"}
+        if self.role not in defn.roles:
+            return {"state": "skipped", "reason": f"not in this process (runs in {', '.join(defn.roles)})"}
+        scoped = dataclasses.replace(defn, targets=defs.targets_for(defn, self.role))
+        why = registry.evaluate(scoped, self.version, registry.live_check)
+        if why is not None:
+            log.warning("vllm-guard patch %s skipped: %s", defn.id, why)
+            return {"state": "skipped", "reason": why}
+        try:
+            note = fn()
+        except _Skip as e:
+            return {"state": "skipped", "reason": str(e)}
+        except Exception as e:  # noqa: BLE001 - never break serving
+            log.exception("vllm-guard patch %s failed", defn.id)
+            return {"state": "failed", "reason": f"{type(e).__name__}: {e}"}
+        log.info("vllm-guard patch %s applied (%s): %s", defn.id, self.role, note)
+        return {"state": "applied", "reason": note}
+
+    def _audit(self) -> str:
+        from .audit import Audit
+
+        a = Audit(self.channel, self.settings.patches.audit_reclaim, self.write)
+        a.install()
+        self.parts["kv-block-audit"] = a
+        return "audit at each idle entry; " + ("reclaims orphans" if a.reclaim else "counts only")
+
+    def _idle(self) -> str:
+        from . import engine
+        from .idle import IdleReleaser
+
+        if self.role == "engine_core":
+            engine.install_scheduler_hooks()
+            act = engine.HOOKS.activity
+            busy = lambda: bool(getattr(act.ref(), "requests", None))  # noqa: E731
+        elif self.role == "api_server":
+            engine.install_api_hooks()
+            act = engine.API_ACTIVITY
+            busy = lambda: bool(getattr(act.ref(), "request_states", None))  # noqa: E731
+        else:
+            engine.install_worker_hooks()
+            act = engine.WORKER_ACTIVITY
+            busy = lambda: False  # noqa: E731
+        p = self.settings.patches
+        t = IdleReleaser(p.idle_release_after, lambda: act.epoch, busy, self.channel, self.role,
+                         p.malloc_trim, self.write)
+        t.start()
+        self.parts["idle-release"] = t
+        return f"after {p.idle_release_after:g}s idle: gc.collect" + (" + malloc_trim(0)" if p.malloc_trim else "") \
+            + " + torch.cuda.empty_cache where CUDA is initialized"
+
+    def _allocator(self) -> str:
+        note = os.environ.get("VLLM_GUARD_ALLOC_NOTE")
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        arena = os.environ.get("MALLOC_ARENA_MAX")
+        if conf is None and arena is None:
+            raise _Skip(note or "no allocator settings in this process's env")
+        parts = [f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "", f"MALLOC_ARENA_MAX={arena}" if arena else ""]
+        return "; ".join(p for p in parts if p) + (f" ({note})" if note else "")
+
+    def _inject(self) -> str:
+        spec = self.settings.inject
+        if not spec.active:
+            raise _Skip("no faults requested")
+        done = []
+        if self.role == "engine_core":
+            from .inject import Injector
+
+            inj = Injector(spec, self.channel)
+            inj.install()
+            self.parts["fault-injection"] = inj
+            done.append("engine faults " + ",".join(k for k in spec.active if k != "gpu_memory_budget_gib"))
+        if spec.gpu_memory_budget_gib:
+            from .inject import install_gpu_budget
+
+            install_gpu_budget(spec, self.channel)
+            done.append(f"gpu budget {spec.gpu_memory_budget_gib:g} GiB at init_device")
+        if not done:
+            raise _Skip("no fault for this process")
+        return "INJECTING: " + "; ".join(done)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "process": self.role, "pid": os.getpid(), "vllm_version": self.version,
+            "generation": os.environ.get("VLLM_GUARD_GENERATION"),
+            "patches": self.states,
+            "details": {k: v.summary() for k, v in self.parts.items()},
+            "inject": self.settings.inject.active,
+        }
+
+    def write(self) -> None:
+        try:
+            self.channel.report(self.report())
+        except OSError:
+            log.exception("vllm-guard could not write its patch report")
+
+
+class _Skip(Exception):
+    """The patch does not apply in this process, for the reason given."""
+
+
+def register() -> None:
+    """vLLM general-plugin entry point; safe to call any number of times."""
+    if _STATE.get("pid") == os.getpid():
+        return
+    _STATE["pid"] = os.getpid()
+    role = detect_role()
+    channel = Channel.from_env()
+    try:
+        settings = from_env(os.environ)
+    except ValueError as e:  # ConfigError: report it, serve unpatched
+        log.error("vllm-guard patches not applied: %s", e)
+        channel.report({"process": role, "pid": os.getpid(), "error": str(e), "patches": {
+            d.id: {"state": "failed", "reason": f"bad settings: {e}"} for d in defs.ALL}})
+        return
+    plugin = Plugin(role, settings, channel)
+    _STATE["plugin"] = plugin
+    try:
+        plugin.apply_all()
+    except Exception:  # noqa: BLE001 - never break serving
+        log.exception("vllm-guard plugin failed")

@@ -1,0 +1,214 @@
+"""The patch registry: what each patch fixes, which vLLM versions, which attributes it touches.
+
+A patch applies only when the installed vLLM is in its version range AND every target has the
+expected shape (class, method parameters, instance attributes). Shapes are read from the source
+with `ast`, so `patches list` needs no torch and also works on an unpacked tree that cannot be
+imported (the GPU build's 0.25.1); in a live process the method signatures are read from the
+live classes as well, so a method wrapped by someone else is noticed too.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+ROLES = ("api_server", "engine_core", "worker")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One class (and optionally one method) a patch relies on."""
+
+    module: str
+    cls: str
+    method: str | None = None
+    params: tuple[str, ...] = ()
+    attrs: tuple[str, ...] = ()  # instance attributes assigned as `self.<name> = ...` in the class
+
+    def describe(self) -> str:
+        name = f"{self.module}.{self.cls}"
+        if self.method:
+            name += f".{self.method}({', '.join(self.params)})"
+        if self.attrs:
+            name += " [" + ", ".join(self.attrs) + "]"
+        return name
+
+
+@dataclass(frozen=True)
+class PatchDef:
+    id: str
+    fixes: str
+    summary: str
+    min_version: str
+    max_version: str  # exclusive
+    roles: tuple[str, ...]
+    targets: tuple[Target, ...] = field(default=())
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """'0.32.0+cpu' -> (0, 32, 0); 'dev' -> ()."""
+    m = re.match(r"^\s*v?(\d+(?:\.\d+)*)", text)
+    return tuple(int(p) for p in m.group(1).split(".")) if m else ()
+
+
+def in_range(version: str, lo: str, hi: str) -> bool:
+    v = version_tuple(version)
+    return bool(v) and version_tuple(lo) <= v < version_tuple(hi)
+
+
+# --- reading shapes from source -------------------------------------------------------------
+
+def _classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
+    return {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+def _mro(classes: dict[str, ast.ClassDef], name: str) -> list[ast.ClassDef]:
+    """The class and its bases that are defined in the same module (enough for our targets)."""
+    out: list[ast.ClassDef] = []
+    todo = [name]
+    while todo:
+        c = classes.get(todo.pop(0))
+        if c is None or c in out:
+            continue
+        out.append(c)
+        todo.extend(b.id for b in c.bases if isinstance(b, ast.Name))
+    return out
+
+
+def _method_params(cls_nodes: list[ast.ClassDef], method: str) -> list[str] | None:
+    for c in cls_nodes:
+        for n in c.body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == method:
+                a = n.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                return names[1:] if names and names[0] == "self" else names
+    return None
+
+
+def _assigned_attrs(cls_nodes: list[ast.ClassDef]) -> set[str]:
+    out: set[str] = set()
+    for c in cls_nodes:
+        for n in ast.walk(c):
+            targets: list[ast.expr] = []
+            if isinstance(n, ast.Assign):
+                targets = list(n.targets)
+            elif isinstance(n, (ast.AnnAssign, ast.AugAssign)):
+                targets = [n.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    out.add(t.attr)
+        for n in c.body:  # class-level names and properties count too
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.add(n.name)
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                out.add(n.target.id)
+    return out
+
+
+@lru_cache(maxsize=64)
+def _parse(path: str) -> ast.Module:
+    return ast.parse(Path(path).read_text(), filename=path)
+
+
+def module_file(root: Path, module: str) -> Path:
+    """`vllm.v1.core.block_pool` under a vllm package dir `root`."""
+    parts = module.split(".")[1:]
+    f = root.joinpath(*parts).with_suffix(".py")
+    return f if f.exists() else root.joinpath(*parts, "__init__.py")
+
+
+def static_check(root: Path, t: Target) -> str | None:
+    """None when the target has the expected shape in the tree at `root`, else the reason."""
+    f = module_file(root, t.module)
+    if not f.exists():
+        return f"module {t.module} not found"
+    try:
+        classes = _classes(_parse(str(f)))
+    except SyntaxError as e:
+        return f"module {t.module} does not parse: {e}"
+    nodes = _mro(classes, t.cls)
+    if not nodes:
+        return f"class {t.module}.{t.cls} not found"
+    if t.method:
+        params = _method_params(nodes, t.method)
+        if params is None:
+            return f"{t.cls}.{t.method} not found"
+        missing = [p for p in t.params if p not in params]
+        if missing:
+            return f"{t.cls}.{t.method}({', '.join(params)}) lacks parameter(s) {', '.join(missing)}"
+    if t.attrs:
+        have = _assigned_attrs(nodes)
+        missing = [a for a in t.attrs if a not in have]
+        if missing:
+            return f"{t.cls} has no attribute(s) {', '.join(missing)}"
+    return None
+
+
+def live_check(t: Target) -> str | None:
+    """Like `static_check`, on the imported class: its source file and its live method signature."""
+    try:
+        mod = importlib.import_module(t.module)
+    except Exception as e:  # noqa: BLE001 - any import failure means: skip with the reason
+        return f"import {t.module} failed: {type(e).__name__}: {e}"
+    cls = getattr(mod, t.cls, None)
+    if not inspect.isclass(cls):
+        return f"class {t.module}.{t.cls} not found"
+    if t.method:
+        fn = getattr(cls, t.method, None)
+        if not callable(fn):
+            return f"{t.cls}.{t.method} not found"
+        try:
+            params = [p for p in inspect.signature(fn, follow_wrapped=False).parameters if p != "self"]
+        except (TypeError, ValueError) as e:
+            return f"{t.cls}.{t.method}: no signature ({e})"
+        missing = [p for p in t.params if p not in params]
+        if missing:
+            return f"{t.cls}.{t.method}({', '.join(params)}) lacks parameter(s) {', '.join(missing)}"
+    if t.attrs:
+        try:
+            src = inspect.getsourcefile(cls)
+        except TypeError:
+            src = None
+        if not src:
+            return f"{t.cls}: source not readable, cannot check attributes"
+        nodes = _mro(_classes(_parse(src)), cls.__name__)
+        have = _assigned_attrs(nodes) | set(dir(cls))
+        missing = [a for a in t.attrs if a not in have]
+        if missing:
+            return f"{t.cls} has no attribute(s) {', '.join(missing)}"
+    return None
+
+
+def vllm_root() -> Path | None:
+    """The installed vllm package dir, found without importing vllm (no torch)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def tree_version(root: Path) -> str:
+    """`__version__` from vllm/_version.py without importing it."""
+    f = root / "_version.py"
+    try:
+        m = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", f.read_text(), re.M)
+    except OSError:
+        return "unknown"
+    return m.group(1) if m else "unknown"
+
+
+def evaluate(defn: PatchDef, version: str, check) -> str | None:  # type: ignore[no-untyped-def]
+    """The skip reason for one patch (version, then every target), or None if it would apply."""
+    if not in_range(version, defn.min_version, defn.max_version):
+        return f"vLLM {version} outside [{defn.min_version}, {defn.max_version})"
+    for t in defn.targets:
+        why = check(t)
+        if why is not None:
+            return why
+    return None
