@@ -28,6 +28,8 @@ class Series:
     start_requests: float
     pts: collections.deque[tuple[float, float, float]] = field(
         default_factory=lambda: collections.deque(maxlen=MAX_SERIES_POINTS))
+    judged_at: float = float("-inf")
+    verdict: dict[str, Any] | None = None
 
 
 class DriftDetector:
@@ -82,7 +84,9 @@ class DriftDetector:
                 warming = True
                 continue
             ser.pts.append((requests, float(s["t"]), mb))
-            verdict = self._judge(s, key, ser)
+            if s["t"] - ser.judged_at >= self.cfg.drift_every:  # Theil-Sen is O(n^2): not every tick
+                ser.verdict, ser.judged_at = self._judge(s, key, ser), s["t"]
+            verdict = ser.verdict
             if verdict is None:
                 warming = True
                 continue

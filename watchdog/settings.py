@@ -22,6 +22,7 @@ class WatchdogConfig:
     drift_min_requests: int = 200
     drift_min_points: int = 20
     noise_floor_mb_per_100: float = 2.0
+    drift_every: Duration = Duration(10.0)  # recompute slopes at most this often
     forecast_horizon: Duration = Duration(3600.0)
     host_budget_mb: float = 0.0  # 0: the host's MemAvailable is the headroom
     gpu_budget_mb: float = 0.0  # 0: the GPU's free memory is the headroom

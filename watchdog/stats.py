@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 from scipy import stats
 
-MAX_POINTS = 400  # Theil-Sen is O(n^2): thin longer series evenly (the slope barely moves)
+MAX_POINTS = 300  # Theil-Sen is O(n^2): thin longer series evenly (the slope barely moves)
 
 
 @dataclass(frozen=True)
