@@ -65,6 +65,22 @@ def _flatten(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _merge_sources(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The watchdog writes one row per source per tick (same `at`): one dict per tick,
+    {"at": ..., "<source>": <its data>}. Rows without a `source` column are flattened as they are."""
+    if not rows or "source" not in rows[0]:
+        return [_flatten(r) for r in rows]
+    ticks: dict[Any, dict[str, Any]] = {}
+    for r in rows:
+        tick = ticks.setdefault(r.get("at"), {"at": r.get("at")})
+        data = r.get("data")
+        try:
+            tick[str(r["source"])] = json.loads(data) if isinstance(data, str) else data
+        except ValueError:
+            continue
+    return list(ticks.values())
+
+
 def load(path: str | Path, run_id: int | None = None) -> LedgerData:
     conn = _open(path)
     try:
@@ -79,7 +95,7 @@ def load(path: str | Path, run_id: int | None = None) -> LedgerData:
         if "incidents" in t:
             d.incidents = [_flatten(r) for r in _rows(conn, "SELECT * FROM incidents")]
         if "samples" in t:
-            d.samples = [_flatten(r) for r in _rows(conn, "SELECT * FROM samples")]
+            d.samples = _merge_sources(_rows(conn, "SELECT * FROM samples ORDER BY id"))
         if "soak_samples" in t:
             d.soak_samples = _rows(conn, "SELECT * FROM soak_samples ORDER BY at, id")
         if "runs" in t:

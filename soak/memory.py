@@ -60,12 +60,13 @@ def points_from_watchdog(samples: list[dict[str, Any]] | None) -> list[dict[str,
         per = _find_per_process(s)
         if not per:
             continue
-        t = _epoch(_dig(s, ("at_s",), ("at",), ("memory", "current", "at")))
+        t = _epoch(_dig(s, ("at",), ("at_s",), ("memory", "current", "at")))
         gen = _dig(s, ("generation",), ("status", "generation"))
         req = _dig(s, ("requests_generation",), ("memory", "current", "requests"),
                    ("status", "memory", "current", "requests"), ("status", "requests_generation"))
         gpu_by_pid = {}
-        for g in s.get("gpus") or []:
+        nv = s.get("nvml") if isinstance(s.get("nvml"), dict) else s
+        for g in nv.get("gpus") or []:
             for p in (g.get("processes") or []) if isinstance(g, dict) else []:
                 if isinstance(p, dict) and p.get("used_mb") is not None:
                     gpu_by_pid[str(p.get("pid"))] = float(p["used_mb"])

@@ -78,8 +78,10 @@ class Soak:
         for seq, rid, sent_at in self.store.read_journal(self.token):
             if seq >= first and seq not in above:
                 lost.setdefault(seq, (rid, sent_at))
+        prev = self.store.last_segment(self.run_id)
         for seq, (rid, sent_at) in lost.items():
             self.store.put_request({"run_id": self.run_id, "seq": seq, "request_id": rid, "sent_at": sent_at,
+                                    "segment": prev,
                                     "error": client.LOST, "detail": "soak process died with this request in flight"})
         self.store.flush()
         return self.store.progress(self.run_id)

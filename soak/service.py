@@ -39,7 +39,8 @@ def service(gens: list[dict[str, Any]], recycles: list[dict[str, Any]], failures
         if f.get("class", UNPLANNED) == UNPLANNED:
             fail_by_gen.setdefault(int(f["generation"]), f)
     events: dict[int, dict[str, Any]] = {}
-    start = _t(gens[0]["started_at"]) or now
+    # The window opens when service first began: the first cold start is not an outage.
+    start = _t(gens[0].get("ready_at")) or _t(gens[0]["started_at"]) or now
     end = start
     for i, g in enumerate(gens):
         ready, ended = _t(g.get("ready_at")), _t(g.get("ended_at"))

@@ -84,6 +84,10 @@ class SoakStore:
         self.conn.execute("UPDATE runs SET status = 'running', ended_at = NULL WHERE id = ?", (run_id,))
         return int(seg)
 
+    def last_segment(self, run_id: int) -> int:
+        row = self.conn.execute("SELECT MAX(segment) FROM soak_segments WHERE run_id = ?", (run_id,)).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
     def end_run(self, run_id: int, segment: int, status: str) -> None:
         self.flush()
         now = ledger.utcnow()

@@ -13,6 +13,10 @@ def fmt(v: Any, unit: str = "", nd: int = 1) -> str:
     return f"{v}{unit}"
 
 
+def g4(v: float | None, unit: str = "") -> str:
+    return "-" if v is None else f"{v:.4g}{unit}"
+
+
 def ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f} ms"
 
@@ -32,13 +36,13 @@ def render_text(f: dict[str, Any]) -> str:
     else:
         m = s["mtbf"]
         conf = int(round(100 * m["confidence"]))
-        two = (f"{fmt(m['two_sided_low_h'])}-{fmt(m['two_sided_high_h'])} h" if m["two_sided_low_h"] is not None
+        two = (f"{g4(m['two_sided_low_h'])}-{g4(m['two_sided_high_h'])} h" if m["two_sided_low_h"] is not None
                else "n/a (no failure)")
         out += [
             f"  observed {fmt(s['observed_h'], ' h', 3)}, up {fmt(s['up_h'], ' h', 3)}, availability "
             f"{fmt(None if s['availability'] is None else 100 * s['availability'], ' %', 3)}",
-            f"  unplanned failures {s['failures_unplanned']}; MTBF {fmt(m['mtbf_h'], ' h')} "
-            f"(>= {fmt(m['lower_one_sided_h'])} h at {conf} % one-sided; {conf} % two-sided {two}); "
+            f"  unplanned failures {s['failures_unplanned']}; MTBF {g4(m['mtbf_h'], ' h')} "
+            f"(>= {g4(m['lower_one_sided_h'])} h at {conf} % one-sided; {conf} % two-sided {two}); "
             f"MTTR {fmt(s['mttr_s'], ' s')}",
             f"  downtime planned {fmt(s['downtime_planned_s'], ' s')}, unplanned {fmt(s['downtime_unplanned_s'], ' s')}; "
             f"host reboots {len(s['reboots'])}",

@@ -13,14 +13,16 @@ from .memory import _epoch
 # NVML clock-event reason bits (nvmlClocksEventReason*)
 REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "power_brake"}
 THROTTLE_MASK = sum(REASONS)
+IDLE = 0x1
 
 
 def gpu_points(samples: list[dict[str, Any]] | None) -> dict[str, list[dict[str, Any]]]:
     """uuid -> [{t, temp_c, sm_clock_mhz, sm_clock_max_mhz, reasons, name}] from samples with `gpus`."""
     out: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for s in samples or []:
-        t = _epoch(s.get("at_s") or s.get("at"))
-        for g in s.get("gpus") or []:
+        nv = s.get("nvml") if isinstance(s.get("nvml"), dict) else s
+        t = _epoch(nv.get("at_s") or s.get("at"))
+        for g in nv.get("gpus") or []:
             if not isinstance(g, dict) or t is None:
                 continue
             out[str(g.get("uuid") or g.get("index"))].append({
@@ -52,7 +54,8 @@ def thermal_report(samples: list[dict[str, Any]] | None, request_ends: np.ndarra
         share = {name: (sum(1 for r in known if r & bit) / len(known) if known else None) for bit, name in REASONS.items()}
         throttled_any = sum(1 for r in known if r & THROTTLE_MASK) / len(known) if known else None
         temps = [p["temp_c"] for p in pts if p["temp_c"] is not None]
-        clocks = [p["sm_clock_mhz"] for p in pts if p["sm_clock_mhz"]]
+        busy = [p for p in pts if not (isinstance(p["reasons"], int) and p["reasons"] & IDLE)]
+        clocks = [p["sm_clock_mhz"] for p in busy if p["sm_clock_mhz"]]  # an idle GPU clocks down: no drop
         cmax = next((p["sm_clock_max_mhz"] for p in pts if p["sm_clock_max_mhz"]), None) or (max(clocks) if clocks else None)
         hot, cool = [], []
         for a, b in zip(pts, pts[1:]):
