@@ -147,7 +147,14 @@ def serve_config(args: argparse.Namespace, vllm_args: list[str]) -> GuardConfig:
         raise UsageError(
             f"{owned!r} after -- is owned by the runtime: use vllm-guard's own --host/--port/--model"
         )
-    return validate(cfg)
+    validate(cfg)
+    try:  # the plugin's own sections ([patches], [inject]) are checked before anything starts
+        from vllm_guard.patches import hooks as patches_hooks
+    except ImportError:
+        patches_hooks = None
+    if patches_hooks is not None and hasattr(patches_hooks, "validate"):
+        patches_hooks.validate(cfg)
+    return cfg
 
 
 def _preflight_port(host: str, port: int) -> None:

@@ -61,7 +61,6 @@ class ServerConfig:
     queue_size: int = 1024
     queue_max_wait: Duration = Duration(900.0)
     retry_after: int = 10
-    overlap: bool = False
     admin_group: str = ""
     admin_mode: int = 0o660
     max_failures: int = 5

@@ -42,6 +42,7 @@ log = structlog.get_logger("vllm_guard.supervisor")
 
 TICK_S = 0.25
 OVERRUN_GRACE_S = 60.0
+EXTEND_S = 60.0
 KEEP_LOGS = 20
 
 
@@ -89,6 +90,7 @@ class Supervisor:
         self._stop_mark = 0.0
         self._stop_requests = 0
         self._status_sent = 0.0
+        self._extend_sent = 0.0
         self._overrun_logged = False
         self.exit_code = EXIT_OK
         self.vllm_version = ""
@@ -304,8 +306,9 @@ class Supervisor:
             await self._fail("start_failed", b.returncode, f"exited with {b.returncode} while loading")
         elif self.deadline is not None and time.monotonic() > self.deadline:
             await self._fail("start_timeout", None, f"not ready after {self.cfg.server.startup_timeout:.0f}s")
-        elif not self.notifier.ready_sent and time.monotonic() - self._status_sent >= 5:
-            self.notifier.extend_timeout(60)
+        elif not self.notifier.ready_sent and time.monotonic() - self._extend_sent >= 10:
+            self._extend_sent = time.monotonic()  # the first model load may outlast TimeoutStartSec
+            self.notifier.extend_timeout(EXTEND_S)
 
     async def _on_ready(self) -> None:
         assert self.backend is not None and self.target is not None

@@ -16,7 +16,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-GUARD = str(VENV_BIN / "vllm-guard")
+# The console script where a venv has it; `python -m vllm_guard.runtime` elsewhere (the GPU box
+# installs the project with `pip install --target`).
+GUARD = str(VENV_BIN / "vllm-guard") if (VENV_BIN / "vllm-guard").exists() else None
+GUARD_CMD = [GUARD] if GUARD else [sys.executable, "-m", "vllm_guard.runtime"]
 # vLLM on 2 CPU cores: small KV cache, eager mode, short context.
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"]
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -33,7 +36,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The embedded model, built once per session (or reused from VLLM_GUARD_TINY_MODEL)."""
     pre = os.environ.get("VLLM_GUARD_TINY_MODEL")
     out = Path(pre) if pre else tmp_path_factory.mktemp("tiny") / "model"
-    subprocess.run([GUARD, "model", "tiny", str(out)], check=True, capture_output=True)
+    subprocess.run([*GUARD_CMD, "model", "tiny", str(out)], check=True, capture_output=True)
     return str(out)
 
 
@@ -54,21 +57,21 @@ class GuardServer:
 
     def start(self) -> GuardServer:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [GUARD, "serve", "--model", self.model, "--port", str(self.port),
+        cmd = [*GUARD_CMD, "serve", "--model", self.model, "--port", str(self.port),
                "--state-dir", str(self.state_dir), *self.args, "--", *self.vllm_args]
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         return self
 
     def status(self) -> dict[str, Any]:
-        out = subprocess.run([GUARD, "status", "--state-dir", str(self.state_dir), "--json"],
+        out = subprocess.run([*GUARD_CMD, "status", "--state-dir", str(self.state_dir), "--json"],
                              capture_output=True, text=True, timeout=30)
         if out.returncode != 0:
             raise RuntimeError(out.stderr.strip())
         return json.loads(out.stdout)
 
     def admin(self, command: str, *extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([GUARD, command, "--state-dir", str(self.state_dir), *extra],
+        return subprocess.run([*GUARD_CMD, command, "--state-dir", str(self.state_dir), *extra],
                               capture_output=True, text=True, timeout=30)
 
     def wait_for(self, pred: Any, timeout: float = 300.0, what: str = "condition") -> dict[str, Any]:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GUARD
+from conftest import GUARD_CMD
 from vllm_guard.runtime.config import ConfigError, load, parse_duration, validate
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([GUARD, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+    return subprocess.run([*GUARD_CMD, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
 
 
 @pytest.mark.parametrize(

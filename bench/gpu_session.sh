@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call that runs the GPU checks and benchmarks and packs every result into
+# $OUT/results.tar.gz (the device returns at most 8 files). Run through the shared recipe:
+#   bash .gpu/stage/call2.sh bash bench/gpu_session.sh [runtime|issue7|all]
+set -u
+OUT=${OUT:-/tmp/out}
+R=/tmp/results; rm -rf "$R"; mkdir -p "$R"
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+export VLLM_GUARD_TINY_MODEL=/tmp/tiny VLLM_GUARD_REQUIRE_GPU=1 VLLM_GUARD_RESULTS=$R
+what=${1:-runtime}
+{ date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; \
+  python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; nproc; } > "$R/env.txt" 2>&1
+GPU_ARGS="--enforce-eager --max-model-len 1024 --gpu-memory-utilization 0.15"
+if [ "$what" = runtime ] || [ "$what" = all ]; then
+  python3 -m vllm_guard.runtime patches list --json > "$R/patches_list_0.25.1.json" 2> "$R/patches_list.err"
+  [ -f bench/gpu_nvml_record.py ] && (python3 bench/gpu_nvml_record.py --out "$R/nvml_h200.jsonl" > "$R/nvml_record.log" 2>&1 &)
+  (python3 bench/bench_recycle.py --recycles 2 --concurrency 8 --out "$R/bench_recycle_gpu.json" -- $GPU_ARGS > "$R/bench_recycle.log" 2>&1; echo "rc $?" >> "$R/bench_recycle.log") &
+  python3 -m pytest tests/gpu -x -v -p no:cacheprovider -k "runtime or nvml" > "$R/gpu_tests.log" 2>&1; echo "pytest rc $?" >> "$R/gpu_tests.log"
+  wait
+  python3 bench/bench_proxy.py guard --rounds 6 --requests 320 --concurrency 16 --max-tokens 32 \
+    --out "$R/bench_proxy_gpu.json" -- $GPU_ARGS > "$R/bench_proxy.log" 2>&1
+  # wait for the background NVML recorder (it stops by itself)
+  for i in $(seq 1 60); do pgrep -f gpu_nvml_record >/dev/null || break; sleep 2; done
+fi
+if [ "$what" = issue7 ] || [ "$what" = all ]; then
+  [ -f bench/gpu_budgets.py ] && python3 bench/gpu_budgets.py --out "$R" > "$R/gpu_budgets.log" 2>&1
+fi
+cp /tmp/pytest-of-*/pytest-*/gpu*/guard.log "$R/gpu_guard.log" 2>/dev/null
+tar -czf "$OUT/results.tar.gz" -C /tmp results
+ls -la "$R"; tail -5 "$R/gpu_tests.log" 2>/dev/null; cat "$R/bench_proxy_gpu.json" 2>/dev/null | head -30

@@ -1,0 +1,100 @@
+"""Closed-loop streaming client shared by the runtime benchmarks (TTFT, E2E, throughput).
+
+Runs in its own process so its CPU use does not sit in the proxy's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass
+class RunResult:
+    label: str
+    requests: int = 0
+    failed: int = 0
+    chunks: int = 0
+    wall_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+    generations: dict[str, int] = field(default_factory=dict)
+    first_by_generation: dict[str, float] = field(default_factory=dict)  # wall clock of 1st byte
+
+    @property
+    def req_per_s(self) -> float:
+        return self.requests / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def chunks_per_s(self) -> float:
+        return self.chunks / self.wall_s if self.wall_s else 0.0
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict, res: RunResult) -> None:
+    t0 = time.perf_counter()
+    ttft = None
+    chunks, done = 0, False
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            gen = r.headers.get("X-Vllm-Guard-Generation", "direct")
+            if gen not in res.first_by_generation:
+                res.first_by_generation[gen] = time.time()
+            async for line in r.content:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                if line.startswith(b"data: [DONE]"):
+                    done = True
+                elif line.startswith(b"data: {"):
+                    chunks += 1
+            ok = r.status == 200 and done
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        ok = False
+        gen = "error"
+    res.requests += 1
+    res.generations[gen] = res.generations.get(gen, 0) + 1
+    if not ok:
+        res.failed += 1
+        return
+    res.chunks += chunks
+    res.ttft_s.append(ttft or 0.0)
+    res.e2e_s.append(time.perf_counter() - t0)
+
+
+async def run(url: str, model: str, total: int, concurrency: int, max_tokens: int, label: str,
+              prompt: str = "hello world") -> RunResult:
+    res = RunResult(label=label)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(total):
+        queue.put_nowait(i)
+    conn = aiohttp.TCPConnector(limit=concurrency * 2)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
+        async def worker() -> None:
+            while not queue.empty():
+                queue.get_nowait()
+                await one_request(s, url, body, res)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def main() -> None:
+    """`python bench/loadclient.py URL MODEL TOTAL CONC MAX_TOKENS LABEL` -> one JSON line."""
+    import sys
+
+    url, model, total, conc, mt, label = sys.argv[1:7]
+    r = asyncio.run(run(url, model, int(total), int(conc), int(mt), label))
+    print(json.dumps({"label": r.label, "requests": r.requests, "failed": r.failed, "chunks": r.chunks,
+                      "wall_s": r.wall_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
+                      "generations": r.generations, "first_by_generation": r.first_by_generation}))
+
+
+if __name__ == "__main__":
+    main()
