@@ -67,7 +67,8 @@ def thermal_report(samples: list[dict[str, Any]] | None, request_ends: np.ndarra
             "temp_slowdown_c": pts[0]["temp_slowdown_c"],
             "sm_clock_max_mhz": cmax, "sm_clock_p50_mhz": float(np.median(clocks)) if clocks else None,
             "sm_clock_min_mhz": min(clocks) if clocks else None,
-            "clock_drop_pct": (100.0 * (1 - float(np.median(clocks)) / cmax) if clocks and cmax else None),
+            # p5 of busy clocks vs the max clock: a sustained drop, not one slow sample
+            "clock_drop_pct": (100.0 * (1 - float(np.percentile(clocks, 5)) / cmax) if clocks and cmax else None),
             "throughput_throttled_rps": _rate(request_ends, hot),
             "throughput_unthrottled_rps": _rate(request_ends, cool),
         })
