@@ -52,7 +52,12 @@ class GpuWatcher:
     def _loop(self) -> None:
         h = self.nvml.nvmlDeviceGetHandleByIndex(0)
         while not self._stop.is_set():
-            procs = {p.pid: (p.usedGpuMemory or 0) / 2**20 for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(h)}
+            procs = {}
+            for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(h):
+                try:  # a generation is one process group led by its API server (ledger `pid`)
+                    procs[p.pid] = os.getpgid(p.pid)
+                except ProcessLookupError:
+                    procs[p.pid] = -1
             self.samples.append((time.time(), procs))
             time.sleep(0.1)
 
@@ -80,19 +85,21 @@ def test_recycling_on_gpu_loses_nothing_and_releases_memory_first(gpu_guard: tup
     srv, watcher = gpu_guard
     first = srv.status()
     t0 = time.time()
-    results = asyncio.run(run_load(srv.url, srv.model, 330, 16, 32))
+    results = asyncio.run(run_load(srv.url, srv.model, 230, 16, 32))
     st = srv.wait_for(lambda s: s["state"] == "serving", 600, "serving")
     summary = summarize(results, 32)
     assert summary.ok == len(results), summary.errors[:5]
     assert st["failed_requests"] == 0 and st["failures"] == 0
-    assert st["generation"] >= 4
+    assert st["generation"] >= 3
     db = sqlite3.connect(srv.state_dir / "ledger.sqlite")
     gens = db.execute("SELECT generation, pid, started_at, ready_at, ended_at, gpu_name, vllm_version "
                       "FROM generations ORDER BY generation").fetchall()
-    # NVML: at no sample did two generations hold GPU memory at once (only EngineCore holds it
-    # on GPU; a new one appears only after the old one is gone).
-    holders = [set(p) for _, p in watcher.samples if p]
-    assert holders, "NVML never saw a process holding GPU memory"
+    # NVML: at no sample did two of this guard's generations hold GPU memory at once (other
+    # processes on the GPU, e.g. a benchmark beside us, are told apart by process group).
+    groups = {g[1] for g in gens}
+    holders = [{pg for pg in p.values() if pg in groups} for _, p in watcher.samples]
+    holders = [h for h in holders if h]
+    assert holders, "NVML never saw a process of this guard holding GPU memory"
     assert max(len(h) for h in holders) == 1, [h for h in holders if len(h) > 1][:3]
     distinct = []
     for h in holders:
