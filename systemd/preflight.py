@@ -1,0 +1,152 @@
+"""Checks before `vllm-guard install` touches the system: each failure is one line, exit 2.
+
+Pure decisions (`cuda_of_torch`, `driver_verdict`) are separate from the probes that read the
+machine (root, sd_booted, a port, NVML, the venv's torch), so they are tested on literal values.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import pynvml
+except ImportError:  # pragma: no cover - a base dependency
+    pynvml = None  # type: ignore[assignment]
+
+
+class PreflightError(Exception):
+    """A check failed; the message is the one line the operator sees."""
+
+
+@dataclass
+class Report:
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise PreflightError("install needs root (or use --dry-run, or --root DIR to render into a prefix)")
+
+
+def require_systemd(run_dir: Path = Path("/run/systemd/system")) -> None:
+    """sd_booted(3): systemd is PID 1 exactly when /run/systemd/system is a directory."""
+    if not run_dir.is_dir():
+        raise PreflightError("systemd is not PID 1 here (no /run/systemd/system): "
+                             "use --root DIR to render the units for another system")
+
+
+def require_free_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PreflightError(f"port {port} on {host} is taken ({e.strerror}): choose another with --port") from e
+
+
+def require_model_dir(model: str) -> None:
+    """The unit runs with HF_HUB_OFFLINE=1: the model must be a local directory with a config."""
+    if not model:
+        return  # the embedded tiny model, built on first start
+    p = Path(model)
+    if not p.is_absolute() or not (p / "config.json").is_file():
+        raise PreflightError(
+            f"--model has value {model!r}: not an absolute path to a local model directory with "
+            "config.json (download a pinned revision first, e.g. `huggingface-cli download M "
+            "--revision R --local-dir DIR`)")
+
+
+_CU = re.compile(r"\+cu(\d+)(\d)$")
+
+
+def cuda_of_torch(torch_version: str) -> tuple[int, int] | None:
+    """`2.11.0+cu130` -> (13, 0); `2.13.0+cpu` -> None; no local label -> None (unknown)."""
+    m = _CU.search(torch_version.strip())
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def driver_verdict(driver_cuda: int | None, needed: tuple[int, int] | None) -> tuple[str, str]:
+    """('ok'|'warn'|'error', why) for NVML's nvmlSystemGetCudaDriverVersion (e.g. 12040)."""
+    if needed is None:
+        return "ok", "vLLM is not built for CUDA here"
+    want = f"{needed[0]}.{needed[1]}"
+    if driver_cuda is None:
+        return "error", f"vLLM needs CUDA {want} but no NVIDIA driver answers (NVML not found)"
+    have = (driver_cuda // 1000, (driver_cuda % 1000) // 10)
+    got = f"{have[0]}.{have[1]}"
+    if have[0] < needed[0]:
+        return "error", (f"NVIDIA driver supports CUDA {got}, the installed vLLM needs {want}: "
+                         "upgrade the driver (then `apt-mark hold` it)")
+    if have < needed:
+        return "warn", f"NVIDIA driver supports CUDA {got} < {want}: minor-version compatibility only (no PTX JIT)"
+    return "ok", f"driver CUDA {got} >= {want}"
+
+
+def torch_version(python: str) -> str:
+    """The torch version the vLLM child will import, without importing torch (fast)."""
+    code = "import importlib.metadata as m\ntry: print(m.version('torch'))\nexcept Exception: print('')"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()
+
+
+def check_nvidia(python: str, gpus: list[str], report: Report) -> None:
+    """Driver new enough for vLLM's CUDA; the named GPUs exist; persistence mode (a warning)."""
+    needed = cuda_of_torch(torch_version(python))
+    driver: int | None = None
+    nvml_ok = False
+    if pynvml is not None:
+        try:
+            pynvml.nvmlInit()
+            nvml_ok = True
+            driver = pynvml.nvmlSystemGetCudaDriverVersion()
+        except pynvml.NVMLError:
+            nvml_ok = False
+    try:
+        verdict, why = driver_verdict(driver, needed)
+        if verdict == "error":
+            raise PreflightError(why)
+        if verdict == "warn":
+            report.warnings.append(why)
+        report.notes.append(why)
+        if gpus and not nvml_ok:
+            raise PreflightError(f"--gpus has value {','.join(gpus)!r}: no NVIDIA driver answers (NVML not found)")
+        if nvml_ok:
+            _check_gpus(gpus, report)
+    finally:
+        if nvml_ok:
+            pynvml.nvmlShutdown()
+
+
+def _check_gpus(gpus: list[str], report: Report) -> None:
+    handles = []
+    if gpus:
+        for uuid in gpus:
+            try:
+                handles.append(pynvml.nvmlDeviceGetHandleByUUID(uuid))
+            except pynvml.NVMLError as e:
+                raise PreflightError(f"--gpus has value {uuid!r}: no such GPU ({e}); see `nvidia-smi -L`") from e
+    else:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    for h in handles:
+        try:
+            if pynvml.nvmlDeviceGetPersistenceMode(h) == 0:
+                uuid = pynvml.nvmlDeviceGetUUID(h)
+                report.warnings.append(
+                    f"persistence mode is off on {uuid}: enable nvidia-persistenced (or `nvidia-smi -pm 1`) "
+                    "so a recycle does not pay driver re-initialisation")
+        except pynvml.NVMLError:
+            pass  # not supported (e.g. some GeForce/WSL): nothing to say
+
+
+def check_users_differ(user: str, watchdog_user: str) -> None:
+    if user == "root" or watchdog_user == "root":
+        raise PreflightError("--user has value 'root': the runtime and watchdog run as dedicated system users")
