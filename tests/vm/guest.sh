@@ -1,0 +1,156 @@
+#!/bin/bash
+# Runs INSIDE the guest, as root, under a real systemd (PID 1), started by vm-test.service.
+# The host (tests/vm/test_systemd_vm.py) copies this file into its run dir, bound at /srv/share
+# with: bin (the vllm-guard executable's path), base.toml, model/ (the tiny model); the project,
+# its venv and the venv's base Python are bound read-only at their own paths.
+# Every step appends one JSON line to /srv/share/result.jsonl; the transcript goes to
+# /srv/share/transcript.log. The guest powers off when this script ends.
+set -u
+S=/srv/share
+exec > >(tee -a "$S/transcript.log") 2>&1
+VG=$(cat "$S/bin")
+PORT=8000
+STATE=/var/lib/vllm-guard
+URL=http://127.0.0.1:$PORT
+
+say() { echo; echo "### $(date -u +%H:%M:%S) $*"; }
+result() {  # step ok(true|false) detail
+  python3_escape=$(printf '%s' "$3" | tr '"\\\n' "''  ")
+  echo "{\"step\": \"$1\", \"ok\": $2, \"detail\": \"$python3_escape\", \"t\": \"$(date -u +%H:%M:%S)\"}" >> "$S/result.jsonl"
+  echo ">>> step $1: ok=$2 $3"
+}
+status_json() { "$VG" status --state-dir "$STATE" --json 2>/dev/null; }
+field() {  # field EXPR: evaluate a Python expression on the status JSON (s)
+  status_json | "$PY" -c "import json,sys; s=json.load(sys.stdin); print($1)" 2>/dev/null
+}
+wait_for() {  # wait_for SECONDS EXPR: until the Python expression on status is True
+  local end=$((SECONDS + $1))
+  while [ $SECONDS -lt $end ]; do
+    [ "$(field "$2")" = "True" ] && return 0
+    sleep 2
+  done
+  return 1
+}
+complete() {  # one short completion; prints the HTTP code
+  curl -s -o /tmp/completion.json -w '%{http_code}' "$URL/v1/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"$MODEL\", \"prompt\": \"hello\", \"max_tokens\": 8}"
+}
+PY=$(dirname "$VG")/python
+
+say "guest: $(uname -r), systemd $(systemctl --version | head -1), PID 1 = $(ps -p 1 -o comm=), $(nproc) vCPUs"
+MODEL=$S/model
+
+say "install (preflight: root, systemd as PID 1, port free, driver check)"
+t0=$SECONDS
+"$VG" install --model "$MODEL" --port $PORT --config "$S/base.toml"
+rc=$?
+result install "$([ $rc = 0 ] && echo true || echo false)" "exit $rc after $((SECONDS - t0)) s (enable --now returns after READY=1)"
+systemctl --no-pager status vllm-guard.service | head -12
+state=$(systemctl show -p ActiveState --value vllm-guard.service)
+text=$(systemctl show -p StatusText --value vllm-guard.service)
+result ready "$([ "$state" = active ] && echo true || echo false)" "ActiveState=$state StatusText=$text"
+grep -E '^(User|ProtectSystem|ProtectHome|OOMPolicy|KillMode|WatchdogUSec|TimeoutStopUSec|Type)=' \
+  <(systemctl show vllm-guard.service) | tr '\n' ' '; echo
+ls -la "$STATE"
+
+say "a request served"
+code=$(complete); cat /tmp/completion.json; echo
+result request "$([ "$code" = 200 ] && echo true || echo false)" "HTTP $code"
+
+say "kill -9 of the engine"
+main_before=$(systemctl show -p MainPID --value vllm-guard.service)
+gen_before=$(field "s['generation']")
+engine=$(field "[c['pid'] for c in s['children'] if c['role']=='engine_core'][0]")
+ps -o pid,user,comm,args -p "$engine" | cut -c1-120
+kill -9 "$engine"
+t0=$SECONDS
+if wait_for 600 "s['state']=='serving' and s['generation']>$gen_before"; then
+  code=$(complete)
+  main_after=$(systemctl show -p MainPID --value vllm-guard.service)
+  nrestarts=$(systemctl show -p NRestarts --value vllm-guard.service)
+  ok=$([ "$code" = 200 ] && [ "$main_after" = "$main_before" ] && echo true || echo false)
+  result kill9_restored "$ok" "restored in $((SECONDS - t0)) s: generation $gen_before -> $(field "s['generation']"), HTTP $code, runtime MainPID $main_before -> $main_after, systemd NRestarts=$nrestarts, failures=$(field "s['failures']")"
+else
+  result kill9_restored false "not serving again after 600 s: $(status_json | head -c 400)"
+fi
+
+say "systemctl reload with a request in flight"
+gen_before=$(field "s['generation']")
+curl -sN "$URL/v1/completions" -H 'Content-Type: application/json' -o /tmp/stream.txt -w '%{http_code}' \
+  -d "{\"model\": \"$MODEL\", \"prompt\": \"hello\", \"max_tokens\": 1000, \"ignore_eos\": true, \"stream\": true}" \
+  > /tmp/stream.code &
+curl_pid=$!
+for _ in $(seq 1 100); do [ -s /tmp/stream.txt ] && break; sleep 0.1; done
+inflight=$(field "s['in_flight']")
+systemctl reload vllm-guard.service
+reload_rc=$?
+wait $curl_pid
+chunks=$(grep -c '^data: {' /tmp/stream.txt)
+done_seen=$(grep -c '^data: \[DONE\]' /tmp/stream.txt)
+finish=$(grep -o '"finish_reason":"[a-z]*"' /tmp/stream.txt | tail -1)
+if wait_for 600 "s['state']=='serving' and s['generation']>$gen_before"; then
+  rec=$(field "[(r['reason'], r['in_flight']) for r in s['recycles']][-1]")
+  code=$(complete)
+  ok=$([ $reload_rc = 0 ] && [ "$(cat /tmp/stream.code)" = 200 ] && [ "$done_seen" = 1 ] && [ "$code" = 200 ] && echo true || echo false)
+  result reload_graceful "$ok" "reload rc=$reload_rc; in flight at reload: $inflight; stream HTTP $(cat /tmp/stream.code), $chunks chunks, $finish, [DONE]=$done_seen; recycle (reason, in_flight)=$rec; generation $gen_before -> $(field "s['generation']"); next request HTTP $code"
+else
+  result reload_graceful false "not serving after reload: $(status_json | head -c 400)"
+fi
+
+say "the watchdog unit acts through the admin socket, without root"
+id vllm-guard-watchdog
+ls -la "$STATE/admin.sock"
+runuser -u nobody -- "$VG" status --state-dir "$STATE" >/tmp/nobody.txt 2>&1
+nobody_rc=$?
+ok=$([ $nobody_rc != 0 ] && grep -qiE "permission denied|no runtime at" /tmp/nobody.txt && echo true || echo false)
+result admin_denied_to_others "$ok" "user nobody: exit $nobody_rc: $(tail -1 /tmp/nobody.txt)"
+gen_before=$(field "s['generation']")
+if "$VG" watchdog --help >/dev/null 2>&1; then
+  say "(the real watchdog exists: starting its unit as installed)"
+  systemctl start vllm-guard-watchdog.service; sleep 20
+  result watchdog_unit_runs "$([ "$(systemctl show -p ActiveState --value vllm-guard-watchdog.service)" = active ] && echo true || echo false)" \
+    "$(systemctl show -p ActiveState,SubState,MainPID vllm-guard-watchdog.service | tr '\n' ' ')"
+  systemctl stop vllm-guard-watchdog.service
+fi
+# The watchdog's action path, through its own unit (its user, groups, sandbox): a drop-in runs
+# the admin command the watchdog uses for a preventive recycle, once.
+mkdir -p /run/systemd/system/vllm-guard-watchdog.service.d
+cat > /run/systemd/system/vllm-guard-watchdog.service.d/vm-test.conf <<EOF
+[Service]
+Type=oneshot
+ExecStart=
+ExecStart=$VG recycle --state-dir $STATE --reason watchdog-unit-test --class preventive
+WatchdogSec=0
+Restart=no
+EOF
+systemctl daemon-reload
+systemctl start vllm-guard-watchdog.service
+wd_rc=$?
+journalctl -u vllm-guard-watchdog.service --no-pager -n 5 -o cat
+wd_user=$(systemctl show -p User --value vllm-guard-watchdog.service)
+if wait_for 600 "s['state']=='serving' and s['generation']>$gen_before"; then
+  rec=$(field "[(r['reason'], r['class']) for r in s['recycles']][-1]")
+  ok=$([ $wd_rc = 0 ] && [[ "$rec" == *watchdog-unit-test* ]] && echo true || echo false)
+  result watchdog_acts "$ok" "unit ran as User=$wd_user (rc $wd_rc); runtime recycled: $rec; generation $gen_before -> $(field "s['generation']")"
+else
+  result watchdog_acts false "no recycle after the watchdog unit ran (rc $wd_rc)"
+fi
+rm -rf /run/systemd/system/vllm-guard-watchdog.service.d; systemctl daemon-reload
+
+say "clean stop"
+t0=$SECONDS
+systemctl stop vllm-guard.service
+stop_rc=$?
+props=$(systemctl show -p ActiveState,Result,ExecMainStatus vllm-guard.service | tr '\n' ' ')
+left=$(ps -eo comm | grep -c '^VLLM::')
+ok=$([ $stop_rc = 0 ] && [[ "$props" == *"ActiveState=inactive"* ]] && [[ "$props" == *"Result=success"* ]] && [ "$left" = 0 ] && echo true || echo false)
+result clean_stop "$ok" "stop took $((SECONDS - t0)) s; $props; VLLM processes left: $left"
+
+say "uninstall keeps the ledger"
+"$VG" uninstall
+ok=$([ ! -e /etc/systemd/system/vllm-guard.service ] && [ -s "$STATE/ledger.sqlite" ] && echo true || echo false)
+result uninstall "$ok" "$(ls "$STATE" | tr '\n' ' ')"
+
+say "journal (last lines)"
+journalctl -u vllm-guard.service --no-pager -o cat | grep -E 'runtime_started|generation_ready|generation_failed|recycle|runtime_exited|Started|Stopped|Reload' | cut -c1-220 | tail -30
+echo "guest done"
