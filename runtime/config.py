@@ -68,6 +68,7 @@ class ServerConfig:
     backoff_initial: Duration = Duration(1.0)
     backoff_max: Duration = Duration(60.0)
     request_timeout: Duration = Duration(3600.0)
+    access_log: bool = True  # one `request` event per proxied request (id, generation, status, TTFT)
 
 
 @dataclass

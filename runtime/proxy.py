@@ -271,8 +271,14 @@ class Proxy:
             if up.content_length is not None and not sse:
                 resp.content_length = up.content_length
             await resp.prepare(request)
-            self.ttft.append(time.monotonic() - t0)
-            return await self._stream(resp, up, first, t, rid, sse, counted)
+            ttft = time.monotonic() - t0
+            self.ttft.append(ttft)
+            outcome = await self._stream(resp, up, first, t, rid, sse, counted)
+            if self.cfg.access_log:
+                log.info("request", request_id=rid, generation=t.generation, method=request.method,
+                         path=request.path, status=up.status, outcome=outcome, ttft_ms=round(ttft * 1000, 2),
+                         e2e_ms=round((time.monotonic() - t0) * 1000, 2))
+            return resp
 
     @staticmethod
     def _engine_dead(status: int, first: bytes) -> bool:
@@ -283,7 +289,8 @@ class Proxy:
     async def _stream(
         self, resp: web.StreamResponse, up: aiohttp.ClientResponse, first: bytes, t: Target,
         rid: str, sse: bool, counted: bool,
-    ) -> web.StreamResponse:
+    ) -> str:
+        """Pass the body through; returns the outcome: ok, failed (backend broke) or truncated."""
         tail = first[-64:]
         try:
             if first:
@@ -293,7 +300,7 @@ class Proxy:
                     chunk = await up.content.readany()
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                     await self._stream_error(resp, t, rid, sse, counted, f"{type(e).__name__}: {e}")
-                    return resp
+                    return "failed"
                 if not chunk:
                     break
                 tail = (tail + chunk)[-64:]
@@ -309,10 +316,11 @@ class Proxy:
                 self.counters.failed_requests += 1
             log.warning("request_failed", request_id=rid, generation=t.generation, status=up.status,
                         truncated=truncated)
-        elif counted:
+            return "truncated" if truncated else "failed"
+        if counted:
             self.counters.completed += 1
             t.completed += 1
-        return resp
+        return "ok"
 
     async def _stream_error(
         self, resp: web.StreamResponse, t: Target, rid: str, sse: bool, counted: bool, error: str

@@ -1,0 +1,71 @@
+"""The runtime's own memory and idle triggers against a real leak injected into EngineCore.
+
+A host leak (the patches plugin's `host_leak_mb_per_request`, retained and touched in
+EngineCore) makes the child tree's RSS grow; the runtime recycles it as *preventive* once the
+growth since warm-up passes `max_host_rss_growth_mb`. Then an idle stretch past `idle_after`
+with a limit partly used gives an opportunistic, *scheduled* recycle. Nothing fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from conftest import GuardServer
+from streams import run_load, summarize
+
+pytestmark = pytest.mark.slow
+
+LEAK_MB = 0.5
+GROWTH_LIMIT_MB = 30
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
+    state = tmp_path_factory.mktemp("triggers")
+    cfg = state / "guard.toml"
+    cfg.write_text(
+        "[recycle]\nmax_requests = 400\nmemory_warmup_requests = 10\nmemory_interval = '1s'\n"
+        f"max_host_rss_growth_mb = {GROWTH_LIMIT_MB}\nidle_fraction = 0.1\nidle_after = '3s'\n"
+        f"[inject]\nhost_leak_mb_per_request = {LEAK_MB}\n"
+    )
+    s = GuardServer(tiny_model, state, args=["--config", str(cfg), "--probe-interval", "30s"])
+    s.start()
+    try:
+        s.wait_serving(1, 300)
+        yield s
+    finally:
+        s.stop()
+
+
+def test_host_rss_growth_triggers_a_preventive_recycle(srv: GuardServer) -> None:
+    results = asyncio.run(run_load(srv.url, srv.model, 140, 4, 4))
+    assert summarize(results, 4).ok == len(results)
+    st = srv.wait_serving(2, 300)
+    first = st["recycles"][0]
+    assert (first["reason"], first["class"]) == ("host_rss_growth", "preventive")
+    served_gen1 = [r for r in results if r.generation == "1"]
+    # 30 MB at 0.5 MB per request: ~60 requests after the 10 warm-up ones (+ a 1 s sample lag)
+    assert 50 <= len(served_gen1) <= 120, len(served_gen1)
+    db = sqlite3.connect(srv.state_dir / "ledger.sqlite")
+    assert db.execute("SELECT end_reason, end_class FROM generations WHERE generation = 1").fetchone() == (
+        "host_rss_growth", "preventive")
+    assert st["failed_requests"] == 0 and st["failures"] == 0
+
+
+def test_idle_past_idle_after_with_a_limit_partly_used_recycles_early(srv: GuardServer) -> None:
+    st = srv.wait_for(lambda s: s["state"] == "serving" and not s["in_flight"], 300, "quiet")
+    gen = st["generation"]
+    results = asyncio.run(run_load(srv.url, srv.model, 45, 4, 4))  # > 10 % of max_requests
+    assert summarize(results, 4).ok == len(results)
+    t_idle = time.monotonic()
+    st = srv.wait_serving(gen + 1, 300)
+    last = st["recycles"][-1]
+    assert (last["reason"], last["class"]) == ("idle_opportunistic", "scheduled")
+    assert time.monotonic() - t_idle >= 3.0
+    assert st["failed_requests"] == 0 and st["failures"] == 0
