@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 REQUESTS = 1000
 CONCURRENCY = 8
+RATE_PER_S = 16.0  # paced: unpaced, 2 cores serve ~40 req/s and the run outpaces the 2 Hz sampling
 RATE = round(random.uniform(0.1, 0.3), 3)  # MB per request, this run
 
 
@@ -37,7 +38,8 @@ def watchdog_config(tmp: Path, port: int) -> Path:
     cfg = tmp / "watchdog.toml"
     cfg.write_text(
         "[watchdog]\n"
-        'interval = "1s"\n'
+        'interval = "0.5s"\n'
+        'drift_every = "2s"\n'
         'forecast_horizon = "24h"\n'
         'kernel = "off"\n'
         'probe_interval = "10s"\n'
@@ -64,11 +66,19 @@ class Run:
         with open(self.wd_log, "ab") as log:
             self.wd = subprocess.Popen([GUARD, "watchdog", "--config", str(self.cfg),
                                         "--state-dir", str(self.server.state_dir)], stdout=log, stderr=log)
-        return self
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the watchdog has seen the service once
+            try:
+                if 'vllm_guard_detector_healthy{detector="memory_drift"}' in self.metrics():
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"watchdog did not come up:\n{self.wd_log.read_text()[-2000:]}")
 
     def drive(self, n: int) -> None:
         t0 = time.monotonic()
-        asyncio.run(_load(self.server.url, n, CONCURRENCY))
+        asyncio.run(_load(self.server.url, n, CONCURRENCY, RATE_PER_S))
         self.load_s = time.monotonic() - t0
 
     def incidents(self) -> list[dict[str, Any]]:
@@ -93,16 +103,19 @@ class Run:
         self.server.stop()
 
 
-async def _load(url: str, n: int, concurrency: int) -> None:
-    """`n` short completions through the guard's proxy, `concurrency` at a time."""
+async def _load(url: str, n: int, concurrency: int, rate: float) -> None:
+    """`n` short completions through the guard's proxy, at most `concurrency` at a time,
+    request i not before t0 + i / rate."""
     rng = random.Random(7)
     todo = iter(range(n))
+    t0 = time.monotonic()
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
 
         async def worker() -> None:
             for i in todo:
+                await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
                 body = {"model": model, "prompt": f"hello {i}", "max_tokens": rng.randint(2, 4), "temperature": 0}
                 async with s.post(url + "/v1/completions", json=body,
                                   timeout=aiohttp.ClientTimeout(total=900)) as r:

@@ -133,6 +133,19 @@ def test_theil_sen_ignores_outliers() -> None:
     assert time_to_exhaust(100.0, 0.0) is None and time_to_exhaust(100.0, 2.0) == 50.0
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_theil_sen_equals_scipy(seed: int) -> None:
+    from scipy import stats  # the reference; the watchdog itself stays without scipy.stats
+
+    rng = random.Random(seed)
+    x = [float(rng.randint(0, 60)) for _ in range(120)]  # ties in x, as idle ticks give
+    y = [round(100 + 0.3 * v + rng.gauss(0, 3)) for v in x]  # ties in y, as MiB rounding gives
+    ref = stats.theilslopes(y, x, 0.95)
+    got = theil_sen(x, y)
+    assert got is not None
+    assert (got.slope, got.low, got.high) == pytest.approx((ref.slope, ref.low_slope, ref.high_slope), rel=1e-12)
+
+
 def _drift_run(rate_mb: float, cfg_table: dict[str, Any], n: int = 600, seed: int = 1) -> list[Any]:
     cfg, _ = from_table(cfg_table)
     d = DriftDetector(cfg)
@@ -162,6 +175,19 @@ def test_drift_flat_memory_no_alarm_and_warmup() -> None:
     assert res[0].health is Health.INITIALIZING
     assert not any(r.findings for r in res)
     assert res[-1].health is Health.HEALTHY and res[-1].data["series"][0]["significant"] is False
+
+
+def test_drift_a_warmup_step_is_not_a_leak() -> None:
+    cfg, _ = from_table({"forecast_horizon": "24h"})
+    d = DriftDetector(cfg)
+    rng = random.Random(5)
+    res = []
+    for i in range(600):  # flat, one 120 MB step at request 200 (allocator pool), then flat
+        req = i * 2
+        rss = 1760 + (120 if req >= 200 else 0) + rng.gauss(0, 0.3)
+        res.append(d.check(_sample(t=float(i), status={"requests_total": req},
+                                   procs={"9": {"role": "worker", "rss_mb": rss}}, host={"mem_available_mb": 8e3})))
+    assert not any(r.findings for r in res)
 
 
 def test_drift_outside_horizon_is_only_degraded() -> None:

@@ -2,7 +2,8 @@
 
 Per process (vLLM preallocates KV, so totals stay flat: look per pid) and per memory kind
 (host RSS from psutil, GPU from NVML's per-process list). Points start after a warm-up of
-requests; a slope counts only when its confidence interval clears the noise floor; then
+requests; a slope counts only when its confidence interval clears the noise floor, in the
+whole window and in each half of it (a step is not a leak); then
 time-to-OOM = headroom / slope in time, and a forecast inside the horizon asks for a
 preventive recycle. Requests are the runtime's `requests_total`, which never counts probes.
 """
@@ -111,7 +112,13 @@ class DriftDetector:
             return None
         memory, pid = key
         headroom = self._headroom(s, memory)
-        significant = by_req.low * 100 > self.cfg.noise_floor_mb_per_100
+        # Sustained: each half of the window alone must clear the floor too. A leak is steady;
+        # a step (an allocator pool, a new batch shape) sits in one half, the other stays flat.
+        half = len(ser.pts) // 2
+        mem = [p[2] for p in ser.pts]
+        halves = [theil_sen(reqs[:half], mem[:half]), theil_sen(reqs[half:], mem[half:])]
+        floor = self.cfg.noise_floor_mb_per_100
+        significant = by_req.low * 100 > floor and all(h is not None and h.low * 100 > floor for h in halves)
         per_s = by_time.slope if by_time is not None else 0.0
         tto = time_to_exhaust(headroom, per_s) if significant and headroom is not None else None
         rto = time_to_exhaust(headroom, by_req.slope) if significant and headroom is not None else None
@@ -119,6 +126,7 @@ class DriftDetector:
                 "requests_span": max(reqs) - min(reqs), "requests": reqs[-1],
                 "slope_mb_per_100": round(by_req.slope * 100, 4),
                 "ci_mb_per_100": [round(by_req.low * 100, 4), round(by_req.high * 100, 4)],
+                "halves_mb_per_100": [None if h is None else round(h.slope * 100, 4) for h in halves],
                 "slope_mb_per_h": round(per_s * 3600, 2), "headroom_mb": headroom,
                 "significant": significant, "time_to_oom_s": None if tto is None else round(tto, 1),
                 "requests_to_oom": None if rto is None else round(rto)}

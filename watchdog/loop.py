@@ -38,6 +38,7 @@ log = structlog.get_logger("vllm_guard.watchdog")
 STATUS_KEYS = ("state", "generation", "requests_total", "requests_generation", "in_flight", "queued",
                "failures", "hold", "backend_url")
 MAX_LOG_LINES = 2000
+USS_EVERY_S = 60.0
 
 
 class Watchdog:
@@ -65,6 +66,8 @@ class Watchdog:
         self._probe_at = 0.0
         self._log_pos: dict[str, int] = {}
         self._last_sample = 0.0
+        self._uss_at = float("-inf")
+        self._uss: dict[str, Any] = {}
         self.ticks = 0
 
     # -- collection ------------------------------------------------------------------------------
@@ -97,7 +100,7 @@ class Watchdog:
         st = s["status"] or {}
         url = st.get("backend_url")
         s["procs"], s["metrics"], s["cgroup"] = await asyncio.gather(
-            self._run(s, "procs", asyncio.to_thread(host.child_memory, st.get("children", [])), to),
+            self._run(s, "procs", asyncio.to_thread(self._procs, st.get("children", [])), to),
             self._run(s, "metrics", service.metrics(self.http, url, to), to + 1) if url else _none(),
             self._run(s, "cgroup", asyncio.to_thread(self._cgroup, st.get("pid")), to),
         )
@@ -105,6 +108,17 @@ class Watchdog:
         s["child_log"] = await asyncio.to_thread(self._child_log, st.get("generation"))
         s["probe"] = self._probe_result(url)
         return s
+
+    def _procs(self, children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """RSS every tick; USS (smaps, slow) every USS_EVERY_S, carried in between."""
+        full = time.monotonic() - self._uss_at >= USS_EVERY_S
+        procs = host.child_memory(children, full=full)
+        if full:
+            self._uss_at = time.monotonic()
+            self._uss = {pid: m.get("uss_mb") for pid, m in procs.items()}
+        for pid, m in procs.items():
+            m.setdefault("uss_mb", self._uss.get(pid))
+        return procs
 
     def _cgroup(self, pid: int | None) -> dict[str, Any] | None:
         path = self.cfg.service_cgroup or (host.service_path(pid) if pid else "")

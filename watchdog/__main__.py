@@ -1,0 +1,34 @@
+"""`python -m vllm_guard.watchdog ...`: the watchdog alone, without the other subcommands'
+imports (what `vllm-guard watchdog` does, started faster; the systemd unit may use either)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from vllm_guard.runtime.config import ConfigError
+
+from .cli import add_commands
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"vllm-guard: error: {self.prog}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog="vllm-guard")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    handlers = add_commands(sub)
+    args = p.parse_args(["watchdog", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(handlers["watchdog"](args, []))
+    except ConfigError as e:
+        print(f"vllm-guard: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
