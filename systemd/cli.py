@@ -27,7 +27,7 @@ _INSTANCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace, list[str]], int]]:
-    i = sub.add_parser("install", help="install the systemd units, guard.toml and users; enable --now")
+    i = sub.add_parser("install", help="install the systemd units, guard.toml and users; enable and start them")
     i.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     i.add_argument("--root", default=None, help="write into this prefix (packaging, tests); runs no service")
     i.add_argument("--model", default=None, help="absolute path of a local model directory (pinned)")

@@ -108,7 +108,10 @@ def plan_install(root: Path, live: bool, layout: R.Layout, config_text: str, env
         plan.commands = [["systemd-sysusers", R.SYSUSERS],
                          ["chgrp", settings.group, layout.config, layout.env_file],
                          ["systemctl", "daemon-reload"],
-                         ["systemctl", "enable", "--now", *plan.enable]]
+                         ["systemctl", "enable", *plan.enable],
+                         # blocks until READY=1 (or fails): install returns with the service serving
+                         ["systemctl", "start", layout.unit],
+                         ["systemctl", "start", "--no-block", *plan.enable[1:]]]
     else:
         plan.commands = [["systemctl", f"--root={root}", "enable", *plan.enable]]
     return plan

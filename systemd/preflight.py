@@ -60,6 +60,10 @@ def require_model_dir(model: str) -> None:
             f"--model has value {model!r}: not an absolute path to a local model directory with "
             "config.json (download a pinned revision first, e.g. `huggingface-cli download M "
             "--revision R --local-dir DIR`)")
+    for f in sorted(p.rglob("*")):
+        if f.is_file() and not f.stat().st_mode & 0o004:
+            raise PreflightError(f"model file {str(f)!r} is mode {f.stat().st_mode & 0o777:04o}: the service "
+                                 f"user cannot read it (chmod -R a+rX {model})")
 
 
 _CU = re.compile(r"\+cu(\d+)(\d)$")

@@ -170,6 +170,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, model_dir: Path, args:
     assert not (tmp_path / "root").exists()  # nothing written
 
 
+def test_model_unreadable_by_the_service_user(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"x")
+    (model / "model.safetensors").chmod(0o600)
+    r = install(tmp_path / "root", "--model", str(model))
+    assert r.returncode == 2 and "model.safetensors' is mode 0600" in r.stderr and "chmod -R a+rX" in r.stderr
+
+
 def test_unknown_install_key_names_key(tmp_path: Path, model_dir: Path) -> None:
     base = tmp_path / "base.toml"
     base.write_text('[install]\nmemory_maxx = "8G"\n')

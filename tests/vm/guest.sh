@@ -106,10 +106,12 @@ ok=$([ $nobody_rc != 0 ] && grep -qiE "permission denied|no runtime at" /tmp/nob
 result admin_denied_to_others "$ok" "user nobody: exit $nobody_rc: $(tail -1 /tmp/nobody.txt)"
 gen_before=$(field "s['generation']")
 if "$VG" watchdog --help >/dev/null 2>&1; then
-  say "(the real watchdog exists: starting its unit as installed)"
-  systemctl start vllm-guard-watchdog.service; sleep 20
-  result watchdog_unit_runs "$([ "$(systemctl show -p ActiveState --value vllm-guard-watchdog.service)" = active ] && echo true || echo false)" \
-    "$(systemctl show -p ActiveState,SubState,MainPID vllm-guard-watchdog.service | tr '\n' ' ')"
+  say "the real watchdog, started through its unit as installed (Type=notify, WatchdogSec)"
+  systemctl start --no-block vllm-guard-watchdog.service; sleep 30
+  wd_state=$(systemctl show -p ActiveState --value vllm-guard-watchdog.service)
+  result watchdog_unit_runs "$([ "$wd_state" = active ] && echo true || echo false)" \
+    "$(systemctl show -p ActiveState,SubState,Result,User vllm-guard-watchdog.service | tr '\n' ' ')"
+  journalctl -u vllm-guard-watchdog.service --no-pager -o cat | cut -c1-200 | tail -8
   systemctl stop vllm-guard-watchdog.service
 fi
 # The watchdog's action path, through its own unit (its user, groups, sandbox): a drop-in runs

@@ -66,6 +66,8 @@ def run_dir() -> Path:
     bin_path = Path(sys.prefix) / "bin" / "vllm-guard"
     subprocess.run([str(bin_path), "model", "tiny", str(d / "model")], check=True, timeout=600,
                    capture_output=True)
+    # safetensors writes its file 0600; the service user must read it (install's preflight says so)
+    subprocess.run(["chmod", "-R", "a+rX", str(d / "model")], check=True)
     shutil.copy(HERE / "guest.sh", d / "guest.sh")
     (d / "bin").write_text(str(bin_path))
     (d / "base.toml").write_text(
