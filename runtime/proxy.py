@@ -30,6 +30,7 @@ _HOP = {
     "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 }
 # Bodies of a backend whose engine died; a request that got only this has reached no client.
+_SSE_ERROR = b'data: {"error"'
 _ENGINE_DEAD_MARKERS = (b"EngineDeadError", b"EngineCore encountered an issue", b"Engine loop has died")
 
 
@@ -292,6 +293,7 @@ class Proxy:
     ) -> str:
         """Pass the body through; returns the outcome: ok, failed (backend broke) or truncated."""
         tail = first[-64:]
+        errored = sse and _SSE_ERROR in first
         try:
             if first:
                 await resp.write(first)
@@ -303,6 +305,8 @@ class Proxy:
                     return "failed"
                 if not chunk:
                     break
+                if sse and not errored and _SSE_ERROR in chunk:
+                    errored = True  # vLLM's own error event (e.g. engine died): a failed request
                 tail = (tail + chunk)[-64:]
                 await resp.write(chunk)
             await resp.write_eof()
@@ -311,11 +315,11 @@ class Proxy:
             log.info("client_disconnected", request_id=rid, generation=t.generation)
             raise
         truncated = sse and b"[DONE]" not in tail
-        if up.status >= 500 or truncated:
+        if up.status >= 500 or truncated or errored:
             if counted:
                 self.counters.failed_requests += 1
             log.warning("request_failed", request_id=rid, generation=t.generation, status=up.status,
-                        truncated=truncated)
+                        truncated=truncated, error_event=errored)
             return "truncated" if truncated else "failed"
         if counted:
             self.counters.completed += 1

@@ -13,7 +13,7 @@ import httpx
 
 @dataclass
 class StreamResult:
-    request_id: str
+    request_id: str = ""
     status: int = 0
     chunks: int = 0
     chunk_tokens: int = 0  # token ids carried by the chunks (vLLM may merge deltas under load)
@@ -31,9 +31,13 @@ class StreamResult:
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, model: str, max_tokens: int,
-                            prompt: str = "hello world", timeout: float = 600.0) -> StreamResult:
+                            prompt: str = "hello world", timeout: float = 600.0,
+                            res: StreamResult | None = None) -> StreamResult:
+    """One streaming completion; `res` (optional) is filled in as bytes arrive."""
     rid = uuid.uuid4().hex
-    res = StreamResult(request_id=rid, started=time.monotonic())
+    if res is None:
+        res = StreamResult(request_id=rid)
+    res.request_id, res.started = rid, time.monotonic()
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True},
             "return_token_ids": True}
