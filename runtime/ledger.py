@@ -148,6 +148,13 @@ CREATE TABLE IF NOT EXISTS soak_samples (
     host_available_mb REAL
 );
 CREATE INDEX IF NOT EXISTS soak_samples_at ON soak_samples (run_id, at);
+CREATE TABLE IF NOT EXISTS soak_status (
+    id INTEGER PRIMARY KEY,
+    run_id INTEGER NOT NULL,
+    at TEXT NOT NULL,
+    generation INTEGER,
+    data TEXT NOT NULL
+);
 CREATE INDEX IF NOT EXISTS samples_at ON samples (at);
 CREATE INDEX IF NOT EXISTS failures_at ON failures (at);
 """
