@@ -141,6 +141,16 @@ def build_params(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return params, _default_db(c.get("db"), state_dir), shape.note  # type: ignore[return-value]
 
 
+def _run_loop(coro: Any) -> Any:
+    """uvloop where installed (it comes with vLLM): a lower send lag at high rates."""
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
 def cmd_soak(args: argparse.Namespace, _: list[str]) -> int:
     from .runner import Soak, new_token, summary
     from .store import SoakStore
@@ -166,7 +176,7 @@ def cmd_soak(args: argparse.Namespace, _: list[str]) -> int:
             print(f"note: {note}", file=sys.stderr)
     soak = Soak(store, run_id, token, params, progress=not args.no_progress)
     try:
-        status = asyncio.run(soak.run())
+        status = _run_loop(soak.run())
     finally:
         store.close()
     out = summary(soak, status)

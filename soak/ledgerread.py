@@ -30,6 +30,7 @@ class LedgerData:
     incidents: list[dict[str, Any]] | None = None  # None: table absent
     samples: list[dict[str, Any]] | None = None
     soak_samples: list[dict[str, Any]] = field(default_factory=list)
+    soak_status: list[dict[str, Any]] = field(default_factory=list)  # status snapshots, data parsed
     runs: list[dict[str, Any]] = field(default_factory=list)
     requests: dict[str, np.ndarray] = field(default_factory=dict)  # numeric columns
     errors: list[str | None] = field(default_factory=list)  # the error column, row-aligned
@@ -98,6 +99,8 @@ def load(path: str | Path, run_id: int | None = None) -> LedgerData:
             d.samples = _merge_sources(_rows(conn, "SELECT * FROM samples ORDER BY id"))
         if "soak_samples" in t:
             d.soak_samples = _rows(conn, "SELECT * FROM soak_samples ORDER BY at, id")
+        if "soak_status" in t:
+            d.soak_status = [_flatten(r) for r in _rows(conn, "SELECT * FROM soak_status ORDER BY id")]
         if "runs" in t:
             where, args = ("WHERE id = ?", (run_id,)) if run_id is not None else ("", ())
             d.runs = _rows(conn, f"SELECT * FROM runs {where} ORDER BY id", args)

@@ -24,10 +24,12 @@ COMPARE_SCHEMA = "vllm-guard-compare/1"
 
 
 def _patch_states(d: ledgerread.LedgerData) -> Any:
-    for s in reversed(d.soak_samples):  # the soak does not keep status; patches come from samples
+    """Patch states per generation from the soak's status snapshots (the runtime keeps none)."""
+    out = {}
+    for s in d.soak_status:
         if s.get("patches"):
-            return s["patches"]
-    return None
+            out[str(s.get("generation"))] = s["patches"]
+    return out or None
 
 
 def build(d: ledgerread.LedgerData, confidence: float = 0.90, now: float | None = None) -> dict[str, Any]:

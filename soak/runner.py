@@ -104,7 +104,7 @@ class Soak:
         bg: list[asyncio.Task[Any]] = []
         if self.p.get("state_dir"):
             sampler = StatusSampler(self.p["state_dir"], self.run_id, self.store.put_samples,
-                                    self.p["sample_interval_s"])
+                                    self.p["sample_interval_s"], self.store.put_status)
             bg.append(asyncio.create_task(sampler.run()))
         prog = Progress(self, duration, offset0, mono0, enabled=self.show_progress)
         bg.append(asyncio.create_task(prog.run()))
@@ -117,9 +117,11 @@ class Soak:
                     continue
                 target = mono0 + (off - offset0)
                 delay = target - time.monotonic()
-                if delay > 0.0005:
+                if delay > 0.05:  # long gaps: wake early on SIGINT/SIGTERM
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.stop.wait(), delay)
+                elif delay > 0.0002:
+                    await asyncio.sleep(delay)
                 if self.stop.is_set():
                     status = "interrupted"
                     break

@@ -14,6 +14,13 @@ from typing import Any, Callable
 import psutil
 
 from vllm_guard.runtime import admin
+from vllm_guard.runtime.ledger import utcnow
+
+# kept from the status once per generation and every STATUS_EVERY_S: what the report lists beside
+# the leak (patch states) and the guard's own counters
+STATUS_KEYS = ("state", "generation", "requests_total", "completed", "failed_requests", "rejected_requests",
+               "retried_requests", "client_disconnects", "failures", "patches", "vllm_version", "gpu_name", "model")
+STATUS_EVERY_S = 60.0
 
 
 def rows_from_status(run_id: int, status: dict[str, Any], host_available_mb: float | None) -> list[dict[str, Any]]:
@@ -33,7 +40,10 @@ def rows_from_status(run_id: int, status: dict[str, Any], host_available_mb: flo
 
 class StatusSampler:
     def __init__(self, state_dir: str | Path, run_id: int, put: Callable[[list[dict[str, Any]]], None],
-                 interval_s: float = 2.0) -> None:
+                 interval_s: float = 2.0, put_status: Callable[..., None] | None = None) -> None:
+        self.put_status = put_status
+        self._status_gen: Any = None
+        self._status_t = 0.0
         self.state_dir = state_dir
         self.run_id = run_id
         self.put = put
@@ -50,6 +60,10 @@ class StatusSampler:
             self.errors += 1
             return
         self.last_status = status
+        now = asyncio.get_running_loop().time()
+        if self.put_status and (status.get("generation") != self._status_gen or now - self._status_t >= STATUS_EVERY_S):
+            self._status_gen, self._status_t = status.get("generation"), now
+            self.put_status(self.run_id, utcnow(), status.get("generation"), {k: status.get(k) for k in STATUS_KEYS})
         at = ((status.get("memory") or {}).get("current") or {}).get("at")
         if not at or at == self.last_at:
             return

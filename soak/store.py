@@ -32,6 +32,7 @@ SAMPLE_COLS = (
 _SQL = {
     "requests": f"INSERT OR IGNORE INTO requests ({', '.join(REQUEST_COLS)}) "
                 f"VALUES ({', '.join('?' for _ in REQUEST_COLS)})",
+    "soak_status": "INSERT INTO soak_status (run_id, at, generation, data) VALUES (?, ?, ?, ?)",
     "soak_samples": f"INSERT INTO soak_samples ({', '.join(SAMPLE_COLS)}) "
                     f"VALUES ({', '.join('?' for _ in SAMPLE_COLS)})",
 }
@@ -137,6 +138,10 @@ class SoakStore:
         self._check()
         for row in rows:
             self._q.put(("soak_samples", tuple(row.get(c) for c in SAMPLE_COLS)))
+
+    def put_status(self, run_id: int, at: str, generation: int | None, data: dict[str, Any]) -> None:
+        self._check()
+        self._q.put(("soak_status", (run_id, at, generation, json.dumps(data, default=str))))
 
     def flush(self) -> None:
         """Block until every row queued so far is committed."""

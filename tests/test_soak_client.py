@@ -120,8 +120,12 @@ def test_kill_9_and_resume_account_for_every_request_id(upstream_factory: Any, t
     assert [g[0] for g in got] == list(range(expected))  # every index once, none twice
     seen = up.stats()
     assert set(seen["ids"].values()) == {1}  # no request id reached the server twice
-    assert seen["posts"] == sum(1 for g in got if g[3] is not None)
-    assert sorted(seen["ids"]) == sorted(g[1] for g in got if g[3] is not None)
+    assert seen["posts"] == len(seen["ids"])
+    done = {g[1] for g in got if g[2] is None}
+    lost_ids = {g[1] for g in got if g[2] == "lost_in_flight"}
+    # every result came from the server; a lost one was journaled just before its send, so the
+    # server may or may not have seen it; nothing else reached the server
+    assert done <= set(seen["ids"]) <= done | lost_ids
     lost = [g for g in got if g[2] == "lost_in_flight"]
     assert 0 < len(lost) <= 25  # the ones in flight at the kill (about rate x 0.6 s)
     assert all(g[2] in (None, "lost_in_flight") for g in got)
