@@ -122,6 +122,9 @@ def measure_live(model: str, seconds: float, rate: float, tmp: Path) -> dict[str
         inc = [dict(r) for r in conn.execute("SELECT kind, data FROM incidents WHERE kind = 'memory_drift' ORDER BY id")]
         rows = {r["source"]: json.loads(r["data"]) for r in conn.execute(
             "SELECT source, data FROM samples WHERE id > (SELECT MAX(id) - 20 FROM samples)")}
+        series = [(json.loads(a)["requests_total"], json.loads(b)) for a, b in conn.execute(
+            "SELECT s.data, p.data FROM samples s JOIN samples p ON s.at = p.at AND s.source = 'status' "
+            "AND p.source = 'procs' ORDER BY s.id")]
         conn.close()
         eng = [json.loads(i["data"]) for i in inc if json.loads(i["data"])["role"] == "engine_core"]
         return {
@@ -136,6 +139,7 @@ def measure_live(model: str, seconds: float, rate: float, tmp: Path) -> dict[str
             "other_drift_incidents": [{k: json.loads(i["data"])[k] for k in ("role", "slope_mb_per_100", "requests")}
                                       for i in inc if json.loads(i["data"])["role"] != "engine_core"],
             "last_rows": rows,
+            "min_requests_to_detect": min_span(series),
         }
     finally:
         if wd is not None and wd.poll() is None:
@@ -147,6 +151,30 @@ def measure_live(model: str, seconds: float, rate: float, tmp: Path) -> dict[str
                 guard.wait(90)
             except subprocess.TimeoutExpired:
                 os.killpg(guard.pid, signal.SIGKILL)
+
+
+def min_span(series: list[tuple[float, dict[str, Any]]], warmup: float = 100, floor: float = 4.0) -> dict[str, Any]:
+    """On the real EngineCore RSS series: the fewest requests after warm-up whose points give a
+    significant slope (whole window and both halves clear the floor) within +-20 % of the seed."""
+    from vllm_guard.watchdog.stats import theil_sen
+
+    pts = [(r, m["rss_mb"]) for r, procs in series for m in procs.values() if m["role"] == "engine_core"]
+    if not pts:
+        return {}
+    start = pts[0][0] + warmup
+    pts = [p for p in pts if p[0] >= start]
+    true = SEED_MB_PER_REQUEST * 100
+    for n in range(3, len(pts) + 1):
+        x, y = [p[0] for p in pts[:n]], [p[1] for p in pts[:n]]
+        full, h = theil_sen(x, y), n // 2
+        halves = [theil_sen(x[:h], y[:h]), theil_sen(x[h:], y[h:])]
+        if full is None or any(v is None for v in halves):
+            continue
+        ok = full.low * 100 > floor and all(v.low * 100 > floor for v in halves if v is not None)
+        if ok and abs(full.slope * 100 - true) <= 0.2 * true:
+            return {"points": n, "requests_after_warmup": x[-1] - start, "slope_mb_per_100": round(full.slope * 100, 3),
+                    "true_mb_per_100": round(true, 3)}
+    return {"points": None}
 
 
 def ledger_growth(rows: dict[str, Any], tmp: Path, hours: int = 48) -> dict[str, Any]:

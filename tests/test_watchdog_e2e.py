@@ -159,14 +159,17 @@ def test_leak_slope_within_20_percent_within_1000_requests(leak_run: Run) -> Non
 
 
 def test_forecast_recycles_preventive(leak_run: Run) -> None:
-    st = leak_run.server.wait_for(lambda s: any(r["reason"] == "memory-forecast" for r in s["recycles"]),
-                                  timeout=120, what="a memory-forecast recycle")
-    rec = [r for r in st["recycles"] if r["reason"] == "memory-forecast"][0]
-    assert rec["class"] == "preventive"
-    fc = [i for i in leak_run.incidents() if i["kind"] == "memory_forecast"]
-    assert fc and fc[0]["action"] == "recycle:ok" and fc[0]["class"] == "preventive"
-    assert 'vllm_guard_incidents_total{kind="memory_forecast"}' in leak_run.metrics()
-    assert st["failures"] == 0
+    try:
+        st = leak_run.server.wait_for(lambda s: any(r["reason"] == "memory-forecast" for r in s["recycles"]),
+                                      timeout=120, what="a memory-forecast recycle")
+        rec = [r for r in st["recycles"] if r["reason"] == "memory-forecast"][0]
+        assert rec["class"] == "preventive"
+        fc = [i for i in leak_run.incidents() if i["kind"] == "memory_forecast"]
+        assert fc and fc[0]["action"] == "recycle:ok" and fc[0]["class"] == "preventive"
+        assert 'vllm_guard_incidents_total{kind="memory_forecast"}' in leak_run.metrics()
+        assert st["failures"] == 0
+    finally:
+        leak_run.stop()  # the clean run below gets the 2 cores to itself
 
 
 def test_no_injection_no_alarm(clean_run: Run) -> None:

@@ -24,7 +24,7 @@ from .base import Action, CheckResult, Detector, Finding, Health, Sample
 from .drift import DriftDetector
 from .exporter import Exporter
 from .hang import HangDetector
-from .nvml import NvmlSampler
+from .nvml import NvmlSampler, visible_uuids
 from .oom import OomDetector
 from .policy import Policy
 from .reboot import RebootDetector
@@ -49,6 +49,7 @@ class Watchdog:
             NvmlSampler(cfg.nvml_timeout)
         if not self.nvml.available:
             log.warning("nvml_unavailable", error=self.nvml.error)
+        self.visible = set(visible_uuids(self.nvml.static))  # the GPUs the service sees
         self.kernel = kernel.open_source(cfg.kernel)
         if self.kernel.error:
             log.warning("kernel_unavailable", error=self.kernel.error)
@@ -92,6 +93,8 @@ class Watchdog:
             self._run(s, "host", asyncio.to_thread(host.host_memory), to),
             self._run(s, "kernel", asyncio.to_thread(self.kernel.poll), to),
         )
+        if s["nvml"] and s["nvml"].get("gpus"):
+            s["nvml"]["gpus"] = [g for g in s["nvml"]["gpus"] if g["uuid"] in self.visible]
         t = (s["nvml"] or {}).get("at_s") if self.cfg.nvml_trace else None
         s["t"] = float(t) if t is not None else time.time()
         s["at"] = iso(dt.datetime.fromtimestamp(s["t"], dt.timezone.utc))
@@ -173,6 +176,10 @@ class Watchdog:
         if self.exporter is not None:
             self.exporter.update(results, s)
             self.exporter.escalated.set(1 if self.policy.escalated else 0)
+            if self.ticks % 60 == 0:
+                mtbf = self.ledger.mtbf_hours()
+                if mtbf is not None:
+                    self.exporter.mtbf.set(mtbf)
         self.ticks += 1
         return s, results
 

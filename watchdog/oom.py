@@ -50,6 +50,8 @@ class OomDetector:
         for ev in s.get("kernel_events", []):
             if ev["type"] == "oom_context" and ev["pid"] is not None:
                 self.context[ev["pid"]] = ev
+                while len(self.context) > MAX_PIDS:
+                    self.context.pop(next(iter(self.context)))
                 findings += self._kill(ev, ev, service)
             elif ev["type"] == "oom_killed":
                 findings += self._kill(ev, self.context.get(ev["pid"], {}), service)
