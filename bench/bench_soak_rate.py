@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 BIN = Path(sys.executable).parent
 
@@ -36,12 +37,21 @@ def free_port() -> int:
 def one_rate(url: str, rate: float, seconds: float, tmp: Path) -> dict[str, float]:
     db = tmp / f"rate-{rate:g}.sqlite"
     t0 = time.monotonic()
-    r = subprocess.run([str(BIN / "vllm-guard"), "soak", "--url", url, "--db", str(db), "--scenario", "custom",
-                        "--prompt-tokens", "8", "--output-tokens", "4", "--rate", str(rate), "--duration", f"{seconds}s",
-                        "--no-progress", "--timeout", "30s"], capture_output=True, text=True, timeout=600)
+    p = subprocess.Popen([str(BIN / "vllm-guard"), "soak", "--url", url, "--db", str(db), "--scenario", "custom",
+                          "--prompt-tokens", "8", "--output-tokens", "4", "--rate", str(rate), "--duration", f"{seconds}s",
+                          "--no-progress", "--timeout", "30s"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    peak = 0
+    proc = psutil.Process(p.pid)
+    while p.poll() is None:  # the soak's peak RSS: bounded memory means it does not grow with time
+        try:
+            peak = max(peak, proc.memory_info().rss)
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    out, err = p.communicate()
     wall = time.monotonic() - t0
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr[-2000:])
+    if p.returncode != 0:
+        raise RuntimeError(err.decode()[-2000:])
     with sqlite3.connect(db) as c:
         rows = np.array(c.execute("SELECT sent_at - scheduled_at, e2e_s, error IS NULL FROM requests").fetchall(), float)
         span = c.execute("SELECT MAX(sent_at) - MIN(sent_at) FROM requests").fetchone()[0]
@@ -49,7 +59,7 @@ def one_rate(url: str, rate: float, seconds: float, tmp: Path) -> dict[str, floa
     return {"rate": rate, "requests": len(rows), "ok": int(rows[:, 2].sum()), "sent_rate": len(rows) / span,
             "lag_p50_ms": 1000 * float(np.percentile(lag, 50)), "lag_p99_ms": 1000 * float(np.percentile(lag, 99)),
             "lag_max_ms": 1000 * float(lag.max()), "e2e_p50_ms": 1000 * float(np.percentile(rows[:, 1], 50)),
-            "wall_s": wall}
+            "wall_s": wall, "peak_rss_mb": peak / 2**20}
 
 
 def main() -> int:
@@ -77,7 +87,8 @@ def main() -> int:
             results.append(res)
             print(f"rate {rate:>6g}/s: sent {res['sent_rate']:.1f}/s, {res['ok']}/{res['requests']} ok, send lag p50 "
                   f"{res['lag_p50_ms']:.2f} ms p99 {res['lag_p99_ms']:.2f} ms max {res['lag_max_ms']:.1f} ms, "
-                  f"e2e p50 {res['e2e_p50_ms']:.2f} ms -> {'PASS' if res['pass'] else 'fail'}", flush=True)
+                  f"e2e p50 {res['e2e_p50_ms']:.2f} ms, soak peak RSS {res['peak_rss_mb']:.0f} MB "
+                  f"-> {'PASS' if res['pass'] else 'fail'}", flush=True)
             if res["pass"]:
                 best = rate
         print(f"highest rate with correct timing (lag p99 <= {a.max_lag_p99_ms} ms, all answered): {best}")

@@ -95,6 +95,9 @@ class SoakStore:
         self.conn.execute("UPDATE soak_segments SET ended_at = ? WHERE run_id = ? AND segment = ?",
                           (now, run_id, segment))
         self.conn.execute("UPDATE runs SET status = ?, ended_at = ? WHERE id = ?", (status, now, run_id))
+        if status == "done":  # every request has its row now: the journal has done its job
+            token = self.conn.execute("SELECT token FROM runs WHERE id = ?", (run_id,)).fetchone()[0]
+            self.journal_path(token).unlink(missing_ok=True)
 
     def progress(self, run_id: int) -> tuple[int, set[int]]:
         """(first seq without a row, seqs above it that have one): what a resume skips."""
