@@ -58,8 +58,11 @@ def serve_upstream(port: int, chunks: int) -> None:
 
 
 def serve_proxy(port: int, upstream: str) -> None:
+    from vllm_guard.runtime import logsetup
     from vllm_guard.runtime.config import ServerConfig
     from vllm_guard.runtime.proxy import Proxy, Target
+
+    logsetup.configure("info")  # as `serve` does: JSON access events, one per request
 
     async def main() -> None:
         proxy = Proxy(ServerConfig(port=port), on_limit=lambda t: None, on_error=lambda t: None)
@@ -101,6 +104,15 @@ def summarize_round(r: dict) -> dict:
             "failed": r["failed"]}
 
 
+def _cpu(pid: int | None) -> float:
+    if not pid:
+        return 0.0
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 def interval(xs: list[float]) -> tuple[float, float, float]:
     a = np.asarray(xs)
     m = float(a.mean())
@@ -111,10 +123,11 @@ def interval(xs: list[float]) -> tuple[float, float, float]:
 
 
 def compare(direct_url: str, guarded_url: str, model: str, rounds: int, total: int, conc: int,
-            max_tokens: int) -> dict:
+            max_tokens: int, proxy_pid: int | None = None) -> dict:
     client(direct_url, model, min(total, 50), conc, max_tokens, "warmup")
     client(guarded_url, model, min(total, 50), conc, max_tokens, "warmup")
     pairs = []
+    cpu0 = _cpu(proxy_pid)
     for i in range(rounds):
         order = [("direct", direct_url), ("guarded", guarded_url)]
         if i % 2:
@@ -124,6 +137,7 @@ def compare(direct_url: str, guarded_url: str, model: str, rounds: int, total: i
         print(f"round {i + 1}/{rounds}: " + "  ".join(
             f"{k} p50 {v['p50_ms']:.2f} ms p99 {v['p99_ms']:.2f} ms {v['req_s']:.0f} req/s"
             for k, v in got.items()), file=sys.stderr)
+    cpu_s = _cpu(proxy_pid) - cpu0 if proxy_pid else None
     d50 = interval([p["guarded"]["p50_ms"] - p["direct"]["p50_ms"] for p in pairs])
     d99 = interval([p["guarded"]["p99_ms"] - p["direct"]["p99_ms"] for p in pairs])
     ratio = interval([p["guarded"]["chunks_s"] / p["direct"]["chunks_s"] for p in pairs])
@@ -135,6 +149,8 @@ def compare(direct_url: str, guarded_url: str, model: str, rounds: int, total: i
         "added_ttft_p99_ms": {"mean": d99[0], "ci95": [d99[1], d99[2]]},
         "throughput_ratio": {"mean": ratio[0], "ci95": [ratio[1], ratio[2]]},
         "failed": sum(p[k]["failed"] for p in pairs for k in p),
+        # CPU the proxy process spent per proxied request (user+sys, all rounds): robust to noise
+        "proxy_cpu_us_per_request": round(1e6 * cpu_s / (rounds * total), 1) if cpu_s is not None else None,
         "cpu_count": os.cpu_count(),
     }
 
@@ -191,12 +207,12 @@ def main() -> None:
         procs = [subprocess.Popen([sys.executable, __file__, "_upstream", "--port", str(up),
                                    "--max-tokens", str(a.max_tokens)]),
                  subprocess.Popen([sys.executable, __file__, "_proxy", "--port", str(px),
-                                   "--upstream", f"http://127.0.0.1:{up}"])]
+                                   "--upstream", f"http://127.0.0.1:{up}"], stderr=subprocess.DEVNULL)]
         try:
             wait_port(up)
             wait_port(px)
             res = compare(f"http://127.0.0.1:{up}", f"http://127.0.0.1:{px}", "synthetic", a.rounds,
-                          a.requests, a.concurrency, a.max_tokens)
+                          a.requests, a.concurrency, a.max_tokens, proxy_pid=procs[1].pid)
         finally:
             for p in procs:
                 p.terminate()
@@ -210,7 +226,7 @@ def main() -> None:
         try:
             st = asyncio.run(admin.request(sd, "GET", "/status"))
             res = compare(st["backend_url"], f"http://127.0.0.1:{st['port']}", a.model or st["model"],
-                          a.rounds, a.requests, a.concurrency, a.max_tokens)
+                          a.rounds, a.requests, a.concurrency, a.max_tokens, proxy_pid=st["pid"])
         finally:
             if guard is not None:
                 guard[0].terminate()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that runs the GPU checks and benchmarks and packs every result into
 # $OUT/results.tar.gz (the device returns at most 8 files). Run through the shared recipe:
-#   bash .gpu/stage/call2.sh bash bench/gpu_session.sh [runtime|issue7|all]
+#   bash .gpu/stage/call2.sh bash bench/gpu_session.sh [runtime|budgets|recycle]
 set -u
 OUT=${OUT:-/tmp/out}
 R=/tmp/results; rm -rf "$R"; mkdir -p "$R"
@@ -11,7 +11,7 @@ what=${1:-runtime}
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; \
   python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; nproc; } > "$R/env.txt" 2>&1
 GPU_ARGS="--enforce-eager --max-model-len 1024 --gpu-memory-utilization 0.15"
-if [ "$what" = runtime ] || [ "$what" = all ]; then
+if [ "$what" = runtime ]; then
   python3 -m vllm_guard.runtime patches list --json > "$R/patches_list_0.25.1.json" 2> "$R/patches_list.err"
   [ -f bench/gpu_nvml_record.py ] && (python3 bench/gpu_nvml_record.py --out "$R/nvml_h200.jsonl" > "$R/nvml_record.log" 2>&1 &)
   (python3 bench/bench_recycle.py --recycles 2 --concurrency 8 --out "$R/bench_recycle_gpu.json" -- $GPU_ARGS > "$R/bench_recycle.log" 2>&1; echo "rc $?" >> "$R/bench_recycle.log") &
@@ -22,9 +22,26 @@ if [ "$what" = runtime ] || [ "$what" = all ]; then
   # wait for the background NVML recorder (it stops by itself)
   for i in $(seq 1 60); do pgrep -f gpu_nvml_record >/dev/null || break; sleep 2; done
 fi
-if [ "$what" = issue7 ] || [ "$what" = all ]; then
-  [ -f bench/gpu_budgets.py ] && python3 bench/gpu_budgets.py --out "$R" > "$R/gpu_budgets.log" 2>&1
+if [ "$what" = budgets ]; then
+  python3 bench/gpu_budgets.py --out "$R/budgets" --duration ${DURATION:-200} > "$R/gpu_budgets.log" 2>&1
+  echo "budgets rc $?" >> "$R/gpu_budgets.log"
+  for p in rtx4090-24g a100-80g; do
+    python3 -c "import sqlite3,sys; s=sqlite3.connect(sys.argv[1]); d=sqlite3.connect(sys.argv[2]); s.backup(d)" \
+      "$R/budgets/$p/state/ledger.sqlite" "$R/$p.sqlite"
+  done
+  python3 -m vllm_guard.runtime report --compare "$R/rtx4090-24g.sqlite" "$R/a100-80g.sqlite" --format html --out "$R/compare.html" >> "$R/gpu_budgets.log" 2>&1
+  python3 -m vllm_guard.runtime report --compare "$R/rtx4090-24g.sqlite" "$R/a100-80g.sqlite" --format json --out "$R/compare.json" >> "$R/gpu_budgets.log" 2>&1
+  tail -n 200 "$R/budgets/plain-24g/vllm.log" > "$R/plain_vllm_tail.log" 2>/dev/null
+fi
+if [ "$what" = recycle ]; then
+  # torch.compile on (no --enforce-eager): generation 1 compiles with an empty cache in the state
+  # dir, the recycled generations start with it warm
+  python3 bench/bench_recycle.py --recycles 2 --concurrency 16 --out "$R/bench_recycle_compile_gpu.json" \
+    -- --max-model-len 1024 --gpu-memory-utilization 0.15 > "$R/bench_recycle_compile.log" 2>&1
+  python3 bench/bench_proxy.py synthetic --rounds 10 --requests 1000 --concurrency 16 --max-tokens 16 \
+    --out "$R/bench_proxy_synthetic_16c.json" > "$R/bench_proxy_synth.log" 2>&1
 fi
 cp /tmp/pytest-of-*/pytest-*/gpu*/guard.log "$R/gpu_guard.log" 2>/dev/null
-tar -czf "$OUT/results.tar.gz" -C /tmp results
+for f in /tmp/bench-recycle-*/guard.log; do [ -f "$f" ] && cp "$f" "$R/bench_recycle_guard.log"; done
+tar -czf "$OUT/results.tar.gz" --exclude=vllm-cache --exclude=triton-cache --exclude='*.sock' -C /tmp results
 ls -la "$R"; tail -5 "$R/gpu_tests.log" 2>/dev/null; cat "$R/bench_proxy_gpu.json" 2>/dev/null | head -30

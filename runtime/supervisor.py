@@ -228,6 +228,10 @@ class Supervisor:
         env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_VARS}
         env.setdefault("PYTHONUNBUFFERED", "1")
         env["VLLM_GUARD_STATE_DIR"] = str(self.state_dir.resolve())
+        # torch.compile / Triton caches in the state dir: every generation after the first starts
+        # warm, so a recycle costs less than a cold start (the user's own setting wins).
+        env.setdefault("VLLM_CACHE_ROOT", str(self.state_dir.resolve() / "vllm-cache"))
+        env.setdefault("TRITON_CACHE_DIR", str(self.state_dir.resolve() / "triton-cache"))
         env["VLLM_GUARD_GENERATION"] = str(self.generation)
         if patches_hooks is not None:  # the plugin: VLLM_PLUGINS, allocator settings, injection
             env = patches_hooks.child_env(env, self.cfg, list(self.cfg.server.vllm_args))
