@@ -44,7 +44,7 @@ say "install (preflight: root, systemd as PID 1, port free, driver check)"
 t0=$SECONDS
 "$VG" install --model "$MODEL" --port $PORT --config "$S/base.toml"
 rc=$?
-result install "$([ $rc = 0 ] && echo true || echo false)" "exit $rc after $((SECONDS - t0)) s (enable --now returns after READY=1)"
+result install "$([ $rc = 0 ] && echo true || echo false)" "exit $rc after $((SECONDS - t0)) s (its systemctl start returns after READY=1)"
 systemctl --no-pager status vllm-guard.service | head -12
 state=$(systemctl show -p ActiveState --value vllm-guard.service)
 text=$(systemctl show -p StatusText --value vllm-guard.service)
@@ -76,23 +76,28 @@ fi
 
 say "systemctl reload with a request in flight"
 gen_before=$(field "s['generation']")
+# A long stream (4000 tokens, ~10 s here) so it is surely running when the recycle starts.
 curl -sN "$URL/v1/completions" -H 'Content-Type: application/json' -o /tmp/stream.txt -w '%{http_code}' \
-  -d "{\"model\": \"$MODEL\", \"prompt\": \"hello\", \"max_tokens\": 1000, \"ignore_eos\": true, \"stream\": true}" \
+  -d "{\"model\": \"$MODEL\", \"prompt\": \"hello\", \"max_tokens\": 4000, \"ignore_eos\": true, \"stream\": true}" \
   > /tmp/stream.code &
 curl_pid=$!
-for _ in $(seq 1 100); do [ -s /tmp/stream.txt ] && break; sleep 0.1; done
-inflight=$(field "s['in_flight']")
+for _ in $(seq 1 300); do [ -s /tmp/stream.txt ] && break; sleep 0.1; done
 systemctl reload vllm-guard.service
 reload_rc=$?
+reload_at=$(date +%s.%N)
 wait $curl_pid
+stream_end=$(date +%s.%N)
 chunks=$(grep -c '^data: {' /tmp/stream.txt)
 done_seen=$(grep -c '^data: \[DONE\]' /tmp/stream.txt)
 finish=$(grep -o '"finish_reason":"[a-z]*"' /tmp/stream.txt | tail -1)
+after=$(awk -v a="$reload_at" -v b="$stream_end" 'BEGIN{printf "%.1f", b - a}')
 if wait_for 600 "s['state']=='serving' and s['generation']>$gen_before"; then
-  rec=$(field "[(r['reason'], r['in_flight']) for r in s['recycles']][-1]")
+  rec_in_flight=$(field "s['recycles'][-1]['in_flight']")
+  rec=$(field "[(r['reason'], r['in_flight'], r['duration_s']) for r in s['recycles']][-1]")
   code=$(complete)
-  ok=$([ $reload_rc = 0 ] && [ "$(cat /tmp/stream.code)" = 200 ] && [ "$done_seen" = 1 ] && [ "$code" = 200 ] && echo true || echo false)
-  result reload_graceful "$ok" "reload rc=$reload_rc; in flight at reload: $inflight; stream HTTP $(cat /tmp/stream.code), $chunks chunks, $finish, [DONE]=$done_seen; recycle (reason, in_flight)=$rec; generation $gen_before -> $(field "s['generation']"); next request HTTP $code"
+  ok=$([ $reload_rc = 0 ] && [ "$(cat /tmp/stream.code)" = 200 ] && [ "$done_seen" = 1 ] && [ "$finish" = '"finish_reason":"length"' ] \
+       && [ "${rec_in_flight:-0}" -ge 1 ] && [ "$code" = 200 ] && echo true || echo false)
+  result reload_graceful "$ok" "reload rc=$reload_rc; the stream ended $after s after the reload: HTTP $(cat /tmp/stream.code), $chunks chunks, $finish, [DONE]=$done_seen; recycle (reason, in_flight, duration_s)=$rec; generation $gen_before -> $(field "s['generation']"); next request HTTP $code; failed requests $(field "s['failed_requests']")"
 else
   result reload_graceful false "not serving after reload: $(status_json | head -c 400)"
 fi
@@ -111,7 +116,7 @@ if "$VG" watchdog --help >/dev/null 2>&1; then
   wd_state=$(systemctl show -p ActiveState --value vllm-guard-watchdog.service)
   result watchdog_unit_runs "$([ "$wd_state" = active ] && echo true || echo false)" \
     "$(systemctl show -p ActiveState,SubState,Result,User vllm-guard-watchdog.service | tr '\n' ' ')"
-  journalctl -u vllm-guard-watchdog.service --no-pager -o cat | cut -c1-200 | tail -8
+  journalctl -u vllm-guard-watchdog.service --no-pager -o cat | grep -E "Error|error|Failed|Started|Timeout|timed out" | cut -c1-200 | tail -8
   systemctl stop vllm-guard-watchdog.service
 fi
 # The watchdog's action path, through its own unit (its user, groups, sandbox): a drop-in runs
