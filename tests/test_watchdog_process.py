@@ -57,30 +57,46 @@ def _acked(proc: subprocess.Popen[str], acks: list[int]) -> None:
                 acks.append(int(ev["id"]))
 
 
+def _one_life(cmd: list[str], wait_s: float) -> tuple[list[int], bool]:
+    """Start a watchdog, let it acknowledge incidents, kill -9 it at a random moment."""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    acks: list[int] = []
+    reader = threading.Thread(target=_acked, args=(p, acks))
+    reader.start()
+    deadline = time.monotonic() + 60
+    while not acks and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.005)
+    time.sleep(wait_s)
+    killed = p.poll() is None
+    if killed:
+        p.kill()
+    p.wait()
+    reader.join()
+    return acks, killed
+
+
 def test_ledger_survives_50_kill9_under_load(tmp_path: Path) -> None:
+    """Five watchdogs at a time write the same ledger (samples every tick, a thousand Xid
+    incidents per tick) and are killed at random: 10 rounds, 50 kill -9s."""
     klog = tmp_path / "xids.log"
     klog.write_text("".join(f"[{i}.000001] NVRM: Xid (PCI:0000:18:00): 999, pid={i}, name=x, Unknown fault {i}\n"
                             for i in range(20000)))
     rng = random.Random(50)
+    cmd = [sys.executable, "-m", "vllm_guard.watchdog", "--state-dir", str(tmp_path), "--interval", "0.01s",
+           "--kernel", str(klog), "--nvml-trace", str(FIX / "nvml_h200_steady.jsonl"), "--prometheus-port", "0"]
     acked: list[int] = []
     kills = 0
-    cmd = [sys.executable, "-m", "vllm_guard.watchdog", "--state-dir", str(tmp_path), "--interval", "0.01s", "--kernel", str(klog),
-           "--nvml-trace", str(FIX / "nvml_h200_steady.jsonl"), "--prometheus-port", "0"]
-    for _ in range(50):
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        acks: list[int] = []
-        reader = threading.Thread(target=_acked, args=(p, acks))
-        reader.start()
-        deadline = time.monotonic() + 30
-        while not acks and time.monotonic() < deadline and p.poll() is None:
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0.0, 0.3))
-        if p.poll() is None:
-            p.kill()
-            kills += 1
-        p.wait()
-        reader.join()
-        acked += acks
+    for _ in range(10):
+        lives: list[tuple[list[int], bool]] = []
+        threads = [threading.Thread(target=lambda w=rng.uniform(0.0, 0.3): lives.append(_one_life(cmd, w)))
+                   for _ in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for acks, killed in lives:
+            acked += acks
+            kills += killed
     conn = sqlite3.connect(tmp_path / "ledger.sqlite")
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     have = {r[0] for r in conn.execute("SELECT id FROM incidents WHERE kind = 'xid_999'")}

@@ -142,3 +142,31 @@ def test_kernel_oom_both_formats_attributed_by_task_memcg(tmp_path: Path) -> Non
     assert sorted(i["data"]["pid"] for i in inc) == [48190, 48213]  # chrome (user.slice) is not ours
     assert {i["data"]["attributed_by"] for i in inc} == {"task_memcg"}
     assert all(i["class"] == "unplanned" for i in inc)
+
+
+def test_alert_webhook_gets_the_incident(tmp_path: Path) -> None:
+    from aiohttp import web
+
+    got: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        async def hook(request: web.Request) -> web.Response:
+            got.append(await request.json())
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_post("/hook", hook)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            await _replay(tmp_path, {"nvml_trace": str(FIX / "nvml_h200_steady.jsonl"),
+                                     "kernel": str(FIX / "kernel_xid79.log"),
+                                     "alert_webhook": f"http://127.0.0.1:{port}/hook"}, StandInRuntime(tmp_path))
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert [(a["kind"], a["action"], a["data"]["catalog"]) for a in got] == [("xid_79", "hold", "reboot")]
