@@ -134,6 +134,8 @@ def measure_live(model: str, seconds: float, rate: float, tmp: Path) -> dict[str
             "rss_mb_last": round(rss[-1], 1) if rss else None, "uss_mb_end": round(uss, 1),
             "rss_trend_mb_per_min": round(trend, 2),
             "rss_mb_at_10min_extrapolated": round(rss[-1] + trend * max(0.0, 10 - wall / 60), 1) if rss else None,
+            "rss_series_mb": [(round(t), round(r, 1)) for t, _, r in series],
+            "cpu_series_s": [(round(t), round(c, 2)) for t, c, _ in series],
             "seed_rate_mb_per_100": round(SEED_MB_PER_REQUEST * 100, 2),
             "detect": eng[0] if eng else None,
             "other_drift_incidents": [{k: json.loads(i["data"])[k] for k in ("role", "slope_mb_per_100", "requests")}
@@ -215,7 +217,7 @@ def main() -> int:
         if "nvml" not in rows:  # a CPU box has no NVML row: add an H200 one, as a GPU box writes
             fix = Path(__file__).resolve().parent.parent / "tests/fixtures/watchdog/nvml_h200_steady.jsonl"
             rows["nvml"] = json.loads(fix.read_text().splitlines()[1])
-        led = ledger_growth(rows, Path(d), args.ledger_hours)
+        led = ledger_growth(rows, Path(d), args.ledger_hours) if args.ledger_hours else {}
     out = {"live": live, "ledger": led}
     text = json.dumps(out, indent=2)
     print(text)

@@ -23,11 +23,16 @@ WANTED = {
     "vllm:prompt_tokens": "prompt_tokens",
 }
 
+_PREFIXES = tuple(WANTED)
+
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """The vLLM series the watchdog uses, summed over labels (finished_reason, model...)."""
+    """The vLLM series the watchdog uses, summed over labels (finished_reason, model...).
+    Only their lines reach the parser: vLLM's page is mostly histograms we do not read."""
+    keep = "\n".join(ln for ln in text.splitlines() if ln.startswith(_PREFIXES)
+                     or (ln.startswith("# ") and any(p in ln for p in WANTED)))
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families(keep + "\n"):
         key = WANTED.get(fam.name)
         if key is None:
             continue
