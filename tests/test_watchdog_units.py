@@ -306,3 +306,24 @@ def test_nvml_absent_is_one_line() -> None:
     s.nv = None
     s._init()
     assert s.error == "NVML unavailable: nvidia-ml-py is not installed"
+
+
+def test_drift_on_gpu_per_process_memory_with_gpu_headroom() -> None:
+    """vLLM preallocates KV, so the device total is flat-ish: the per-process series finds it."""
+    cfg, _ = from_table({"forecast_horizon": "1h"})
+    d = DriftDetector(cfg)
+    res = None
+    for i in range(400):
+        req = i * 5
+        used = 22038.0 + 0.1465 * req  # the seed's 150 KB per request, in NVML's per-process list
+        gpu = {"uuid": "GPU-x", "mem_total_mb": 24564.0, "mem_used_mb": used + 600,
+               "processes": [{"pid": 77, "used_mb": used}]}
+        res = d.check(_sample(t=float(i), status={"requests_total": req}, nvml={"gpus": [gpu]},
+                              procs={"77": {"role": "engine_core", "rss_mb": 900.0}}, host={"mem_available_mb": 1e5}))
+    assert res is not None
+    f = [x for x in res.findings if x.key == "gpu:77"]
+    assert [x.kind for x in f] == ["memory_drift", "memory_forecast"]
+    v = f[-1].data
+    assert v["slope_mb_per_100"] == pytest.approx(14.65, rel=0.01)
+    # headroom = 24564 - used at the end; 5 requests/s -> 0.7325 MB/s
+    assert v["time_to_oom_s"] == pytest.approx((24564 - 600 - 22038 - 0.1465 * 1995) / (0.1465 * 5), rel=0.05)
