@@ -92,10 +92,10 @@ def main() -> int:
         import asyncio
 
         asyncio.run(sequential(srv, 20, 1))  # warm
-        mb1, n1 = nvml_used_mb(engine), max(r["n"] for r in records(srv, "inject.jsonl", "leak"))
+        mb1, n1 = nvml_used_mb(engine), max(r["n"] for r in records(srv, "inject.jsonl", "request"))
         asyncio.run(sequential(srv, args.requests, 2, words=20, max_tokens=8))
         time.sleep(6)
-        mb2, n2 = nvml_used_mb(engine), max(r["n"] for r in records(srv, "inject.jsonl", "leak"))
+        mb2, n2 = nvml_used_mb(engine), max(r["n"] for r in records(srv, "inject.jsonl", "request"))
         slope = (mb2 - mb1) / (n2 - n1) * 100 if mb1 is not None and mb2 is not None else None
         checks["device_leak"] = {"nvml_mb": [mb0, mb1, mb2], "requests": n2 - n1,
                                  "nvml_mb_per_100": slope, "injected_mb_per_100": args.leak_mb * 100}

@@ -10,6 +10,7 @@ returned through `BlockPool.free_blocks`. Each reclaim is an event with the bloc
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 from .engine import HOOKS, install_idle_hook, install_scheduler_hooks
@@ -53,6 +54,7 @@ class Audit:
         self.runs = 0
         self.reclaimed_blocks = 0
         self.orphan_events = 0
+        self.seconds = 0.0  # time spent auditing (engine thread, at idle)
         self.last: dict[str, Any] = {}
 
     def install(self) -> None:
@@ -67,7 +69,9 @@ class Audit:
         if sched.requests or getattr(sched, "deferred_frees", None):
             return  # not idle yet: live requests or frees waiting on an in-flight step
         self.seen_finished = HOOKS.finished
+        t0 = time.perf_counter()
         self.run(sched)
+        self.seconds += time.perf_counter() - t0
 
     def run(self, sched: Any) -> dict[str, Any]:
         kvm = sched.kv_cache_manager
@@ -111,5 +115,5 @@ class Audit:
         return out
 
     def summary(self) -> dict[str, Any]:
-        return {"runs": self.runs, "orphan_events": self.orphan_events,
+        return {"runs": self.runs, "orphan_events": self.orphan_events, "seconds": round(self.seconds, 6),
                 "reclaimed_blocks": self.reclaimed_blocks, "last": self.last}

@@ -63,9 +63,9 @@ class Injector:
             self.host_bytes += len(buf)
         if s.device_leak_mb_per_request:
             self._device_leak(int(s.device_leak_mb_per_request * 2**20))
+        self.channel.inject({"event": "request", "n": n, "request_id": request.request_id,
+                             "host_bytes": self.host_bytes, "device_bytes": self.device_bytes})
         if s.host_leak_mb_per_request or s.device_leak_mb_per_request:
-            self.channel.inject({"event": "leak", "n": n, "host_bytes": self.host_bytes,
-                                 "device_bytes": self.device_bytes})
             if n % 100 == 0:
                 log.warning("vllm-guard injected leak: %d requests, host %d B, device %d B",
                             n, self.host_bytes, self.device_bytes)

@@ -31,6 +31,8 @@ pytestmark = pytest.mark.slow
 WORDS = "alpha beta gamma delta river stone cloud light north paper green seven".split()
 ROLES = {"api_server", "engine_core", "worker"}
 IDLE_S = 2.0
+HANG_AT = 450  # past every other test of its server: the hang test tops up to it
+CRASH_AT = 30
 _rng = random.Random(7)
 
 
@@ -75,13 +77,29 @@ def wait_until(pred: Any, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out: {what}")
 
 
+def counted(s: GuardServer, generation: int | None = None) -> int:
+    """Requests the engine finished (probes excluded), from the injector's own record."""
+    recs = [r for r in hooks.injected(s.state_dir, generation or gen(s)) if r.get("event") == "request"]
+    return max((r["n"] for r in recs), default=0)
+
+
+def top_up(s: GuardServer, target: int) -> None:
+    """Finish requests until the injector has counted exactly `target`."""
+    n = counted(s)
+    assert n <= target, (n, target)
+    with httpx.Client(timeout=120) as c:
+        for _ in range(target - n):
+            complete(s, n_words=10, max_tokens=2, client=c)
+    assert counted(s) == target
+
+
 def reports_by_role(s: GuardServer) -> dict[str, dict[str, Any]]:
     st = s.status()
     return {r["process"]: {**r, "pid": int(pid)} for pid, r in st["patches"].items() if r.get("alive")}
 
 
 def start(tiny_model: str, state_dir: Path, env: dict[str, str]) -> GuardServer:
-    s = GuardServer(tiny_model, state_dir, args=["--probe-interval", "3600"], env=env).start()
+    s = GuardServer(tiny_model, state_dir, args=["--probe-interval", "3600", "--drain-timeout", "5"], env=env).start()
     try:
         s.wait_serving()
         s.wait_for(lambda st: {r.get("process") for r in st["patches"].values()} >= ROLES,
@@ -94,7 +112,7 @@ def start(tiny_model: str, state_dir: Path, env: dict[str, str]) -> GuardServer:
 
 @pytest.fixture(scope="class")
 def audited(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
-    env = {"VLLM_GUARD_INJECT": "block_leak_every=4,host_leak_mb_per_request=0.15",
+    env = {"VLLM_GUARD_INJECT": f"block_leak_every=4,host_leak_mb_per_request=0.15,hang_after_requests={HANG_AT}",
            "VLLM_GUARD_PATCHES": f"idle_release_after={IDLE_S}"}
     s = start(tiny_model, tmp_path_factory.mktemp("patches-audited"), env)
     yield s
@@ -138,7 +156,7 @@ class TestAudited:
         for r in reclaimed:
             assert r["free_after"] == r["expected_free"] and r["usage_after"] == 0.0
         # vLLM's own gauge, refreshed by one more request that the injector does not leak
-        n = max(r["n"] for r in injected(server, "leak"))
+        n = max(r["n"] for r in injected(server, "request"))
         complete(server, max_tokens=4)
         if (n + 1) % 4 == 0:
             complete(server, max_tokens=4)
@@ -150,13 +168,14 @@ class TestAudited:
 
         time.sleep(IDLE_S + 1.5)  # the previous idle period has had its release
         before = releases()
-        t_end = time.monotonic() + 3 * IDLE_S
-        with ThreadPoolExecutor(2) as pool:  # a busy stretch three times longer than the idle delay
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:  # a busy stretch several times longer than the idle delay
             def loop(_: int) -> None:
                 with httpx.Client(timeout=120) as c:
-                    while time.monotonic() < t_end:
+                    for _ in range(60):
                         complete(server, n_words=20, max_tokens=16, client=c)
             list(pool.map(loop, range(2)))
+        assert time.monotonic() - t0 > IDLE_S, "the busy stretch must outlast the idle delay"
         assert releases() == before, "idle-release ran during a busy stretch"
         wait_until(lambda: all(releases()[r] == before[r] + 1 for r in ROLES), 4 * IDLE_S + 5,
                    "one release per process after the busy stretch")
@@ -170,7 +189,7 @@ class TestAudited:
         time.sleep(IDLE_S + 1.5)  # let idle-release settle first, so it does not shrink RSS mid-run
         pid = reports_by_role(server)["engine_core"]["pid"]
         proc = psutil.Process(pid)
-        n0, rss0 = max(r["n"] for r in injected(server, "leak")), proc.memory_info().rss
+        n0, rss0 = max(r["n"] for r in injected(server, "request")), proc.memory_info().rss
         with ThreadPoolExecutor(4) as pool:
             def loop(k: int) -> None:
                 with httpx.Client(timeout=120) as c:
@@ -178,10 +197,21 @@ class TestAudited:
                         complete(server, n_words=10, max_tokens=4, client=c)
             list(pool.map(loop, range(4)))
         time.sleep(IDLE_S + 1.5)
-        n1, rss1 = max(r["n"] for r in injected(server, "leak")), proc.memory_info().rss
+        n1, rss1 = max(r["n"] for r in injected(server, "request")), proc.memory_info().rss
         assert n1 - n0 == 300
         per_request_mb = (rss1 - rss0) / 2**20 / (n1 - n0)
+        print(f"EngineCore RSS slope {per_request_mb:.4f} MiB/request (injected 0.15)")
         assert 0.15 * 0.8 <= per_request_mb <= 0.15 * 1.2, per_request_mb
+
+    def test_hang_after_requests_blocks_the_engine_while_health_says_ok(self, server: GuardServer) -> None:
+        top_up(server, HANG_AT)
+        body = {"model": server.model, "prompt": prompt(5), "max_tokens": 4, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=8)
+        (h,) = injected(server, "hang")
+        assert h["n"] == HANG_AT
+        assert h["pid"] == reports_by_role(server)["engine_core"]["pid"]
+        assert httpx.get(server.status()["backend_url"] + "/health", timeout=5).status_code == 200
 
 
 SITECUSTOMIZE = textwrap.dedent('''
@@ -203,7 +233,7 @@ SITECUSTOMIZE = textwrap.dedent('''
 def unaudited(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
     site = tmp_path_factory.mktemp("site")
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {"VLLM_GUARD_INJECT": "block_leak_every=2", "PYTHONPATH": str(site),
+    env = {"VLLM_GUARD_INJECT": f"block_leak_every=2,crash_after_requests={CRASH_AT}", "PYTHONPATH": str(site),
            "VLLM_GUARD_PATCHES": f"disable=kv-block-audit,idle_release_after={IDLE_S}"}
     s = start(tiny_model, tmp_path_factory.mktemp("patches-unaudited"), env)
     yield s
@@ -239,3 +269,22 @@ class TestUnaudited:
             for _ in range(3):
                 complete(server, client=c)
 
+    def test_crash_after_requests_kills_engine_core_and_the_guard_notices(self, server: GuardServer) -> None:
+        engine_pid = reports_by_role(server)["engine_core"]["pid"]
+        top_up(server, CRASH_AT)
+        body = {"model": server.model, "prompt": prompt(5), "max_tokens": 4, "ignore_eos": True}
+        try:
+            httpx.post(server.url + "/v1/completions", json=body, timeout=20)
+        except httpx.HTTPError:
+            pass  # the request that met the crash: its fate is the runtime's business
+
+        def gone() -> bool:
+            try:
+                return psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_until(gone, 30, "EngineCore gone")
+        (c,) = [r for r in hooks.injected(server.state_dir, 1) if r.get("event") == "crash"]
+        assert c["n"] == CRASH_AT and c["pid"] == engine_pid
+        server.wait_for(lambda st: st["generation"] >= 2 or st["failures"] >= 1, 90, "the guard noticing the crash")
