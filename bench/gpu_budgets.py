@@ -108,6 +108,9 @@ def main() -> None:
                 d / "guard.log", base_env)
             runs[name] = {"budget_gib": budget, "profile": profile, "gpu_memory_utilization": util,
                           "url": f"http://127.0.0.1:{port}", "dir": d, "cfg": cfg}
+            # one at a time: vLLM profiles free GPU memory at start and fails if a neighbour
+            # starting beside it moves that number
+            wait_http(runs[name]["url"], procs[f"{name}/guard"])
         # plain vLLM: the same 24 GiB cap and leak, no guard, no watchdog
         pd.mkdir(exist_ok=True)
         pport = free_port()
@@ -117,8 +120,6 @@ def main() -> None:
             [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model, "--host", "127.0.0.1",
              "--port", str(pport), "--enforce-eager", "--max-model-len", "1024",
              "--gpu-memory-utilization", str(util_for(24, total))], pd / "vllm.log", penv)
-        for name, r in runs.items():
-            wait_http(r["url"], procs[f"{name}/guard"])
         wait_http(f"http://127.0.0.1:{pport}", procs["plain"])
         t0 = time.time()
         for name, r in runs.items():

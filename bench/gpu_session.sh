@@ -33,11 +33,11 @@ if [ "$what" = budgets ]; then
   python3 -m vllm_guard.runtime report --compare "$R/rtx4090-24g.sqlite" "$R/a100-80g.sqlite" --format json --out "$R/compare.json" >> "$R/gpu_budgets.log" 2>&1
   tail -n 200 "$R/budgets/plain-24g/vllm.log" > "$R/plain_vllm_tail.log" 2>/dev/null
 fi
-if [ "$what" = recycle ]; then
-  # torch.compile on (no --enforce-eager): generation 1 compiles with an empty cache in the state
-  # dir, the recycled generations start with it warm
-  python3 bench/bench_recycle.py --recycles 2 --concurrency 16 --out "$R/bench_recycle_compile_gpu.json" \
-    -- --max-model-len 1024 --gpu-memory-utilization 0.15 > "$R/bench_recycle_compile.log" 2>&1
+if [ "$what" = runtime2 ]; then
+  # the runtime GPU test with torch.compile on: generation 1 compiles into an empty cache in the
+  # state dir, the recycled generations start with it warm (cold_start_s per generation)
+  python3 -m pytest tests/gpu/test_runtime_gpu.py -x -v -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
+  echo "pytest rc $?" >> "$R/gpu_tests.log"
   python3 bench/bench_proxy.py synthetic --rounds 10 --requests 1000 --concurrency 16 --max-tokens 16 \
     --out "$R/bench_proxy_synthetic_16c.json" > "$R/bench_proxy_synth.log" 2>&1
 fi

@@ -98,6 +98,7 @@ class Supervisor:
         self.memory: dict[str, Any] = {}
         self.last_probe: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[Any]] = []
+        self._reap_later: dict[int, float] = {}  # pid -> since when (old generations' orphans)
         self._ready_task: asyncio.Task[bool] | None = None
         self.http: aiohttp.ClientSession | None = None
         self._admin: Any = None
@@ -498,6 +499,10 @@ class Supervisor:
         if b.proc is not None and b.proc.returncode is None and not leftover:
             await b.proc.wait()
         b.reap()
+        # A grandchild can die after its parent and reach us (the subreaper) only now: keep
+        # reaping this generation's pids for a while so no zombie outlives it.
+        now = time.monotonic()
+        self._reap_later.update({pid: now for pid in b.known_pids if pid != b.pid})
         await t.close()
         reason, cls = self._end_reason
         self.ledger.generation_ended(self.gen_row, reason, cls, t.completed)
@@ -634,7 +639,19 @@ class Supervisor:
         }
 
     # -- systemd and status --------------------------------------------------------------------
+    def _reap_orphans(self) -> None:
+        now = time.monotonic()
+        for pid, since in list(self._reap_later.items()):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not (yet) our child: gone, or still with its parent
+                done = 0 if psutil.pid_exists(pid) and now - since < 60 else pid
+            if done:
+                del self._reap_later[pid]
+
     def _heartbeat(self) -> None:
+        if self._reap_later:
+            self._reap_orphans()
         now = time.monotonic()
         overrun = self.deadline is not None and now > self.deadline + OVERRUN_GRACE_S
         if overrun and not self._overrun_logged:
