@@ -27,6 +27,14 @@ def _interval(s: dict[str, Any], nd: int = 2) -> str:
     return f"{s['slope']:.{nd}f} [{fmt(s['low'], nd=nd)}, {fmt(s['high'], nd=nd)}]"
 
 
+def _patch_line(p: Any) -> str:
+    """`engine_core: fault-injection, idle-release` (applied patches of one process)."""
+    if not isinstance(p, dict):
+        return str(p)
+    applied = [name for name, st in (p.get("patches") or {}).items() if isinstance(st, dict) and st.get("state") == "applied"]
+    return f"{p.get('process', '?')}: {', '.join(applied) or 'none applied'}"
+
+
 def render_text(f: dict[str, Any]) -> str:
     out = [f"vllm-guard report  {f['ledger']}  ({f['label']})", ""]
     s = f["service"]
@@ -60,8 +68,8 @@ def render_text(f: dict[str, Any]) -> str:
         out.append(f"  {p['role']:<11} {p['metric']:<7} {_interval(p['per_100_requests'])} MB/100 req, "
                    f"{_interval(p['per_hour'])} MB/h, last {fmt(p['last_mb'], ' MB')}, "
                    f"time to OOM {fmt(p['time_to_oom_h'], ' h')}")
-    if f.get("patches"):
-        out.append(f"  patches: {f['patches']}")
+    for gen, procs in sorted((f.get("patches") or {}).items()):
+        out.append(f"  patches, generation {gen}: " + "; ".join(_patch_line(p) for p in procs.values()))
     out += ["", "THERMAL"]
     t = f["thermal"]
     if not t["present"]:
