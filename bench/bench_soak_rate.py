@@ -83,6 +83,7 @@ def main() -> int:
         results, best = [], None
         for rate in (float(x) for x in a.rates.split(",")):
             res = one_rate(url, rate, a.seconds, tmp)
+            res["loadavg_1m"] = os.getloadavg()[0]
             res["pass"] = res["ok"] == res["requests"] and res["lag_p99_ms"] <= a.max_lag_p99_ms
             results.append(res)
             print(f"rate {rate:>6g}/s: sent {res['sent_rate']:.1f}/s, {res['ok']}/{res['requests']} ok, send lag p50 "
@@ -91,6 +92,7 @@ def main() -> int:
                   f"-> {'PASS' if res['pass'] else 'fail'}", flush=True)
             if res["pass"]:
                 best = rate
+        print(f"load average at the end: {os.getloadavg()} on {os.cpu_count()} CPUs")
         print(f"highest rate with correct timing (lag p99 <= {a.max_lag_p99_ms} ms, all answered): {best}")
         if a.json:
             Path(a.json).write_text(json.dumps({"cpus": os.cpu_count(), "results": results, "best": best}, indent=2))

@@ -174,6 +174,8 @@ def cmd_soak(args: argparse.Namespace, _: list[str]) -> int:
         run_id = store.create_run(token, params, note)
         if note:
             print(f"note: {note}", file=sys.stderr)
+    # The ledger writer thread must not hold the GIL for the default 5 ms while a send is due.
+    sys.setswitchinterval(0.0005)
     soak = Soak(store, run_id, token, params, progress=not args.no_progress)
     try:
         status = _run_loop(soak.run())

@@ -189,9 +189,12 @@ class SoakStore:
     def _commit(self, conn: sqlite3.Connection, batch: list[tuple[Any, Any]]) -> bool:
         rows = [(k, v) for k, v in batch if k in _SQL]
         if rows:
-            conn.execute("BEGIN")
+            by_kind: dict[str, list[tuple[Any, ...]]] = {}
             for kind, values in rows:
-                conn.execute(_SQL[kind], values)
+                by_kind.setdefault(kind, []).append(values)
+            conn.execute("BEGIN")
+            for kind, values_list in by_kind.items():  # one C loop per table: the GIL stays free
+                conn.executemany(_SQL[kind], values_list)
             conn.execute("COMMIT")
             self.commits += 1
             self.rows += len(rows)
