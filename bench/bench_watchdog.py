@@ -122,7 +122,7 @@ def measure_live(model: str, seconds: float, rate: float, tmp: Path) -> dict[str
         inc = [dict(r) for r in conn.execute("SELECT kind, data FROM incidents WHERE kind = 'memory_drift' ORDER BY id")]
         rows = {r["source"]: json.loads(r["data"]) for r in conn.execute(
             "SELECT source, data FROM samples WHERE id > (SELECT MAX(id) - 20 FROM samples)")}
-        series = [(json.loads(a)["requests_total"], json.loads(b)) for a, b in conn.execute(
+        led_series = [(json.loads(a)["requests_total"], json.loads(b)) for a, b in conn.execute(
             "SELECT s.data, p.data FROM samples s JOIN samples p ON s.at = p.at AND s.source = 'status' "
             "AND p.source = 'procs' ORDER BY s.id")]
         conn.close()
@@ -141,7 +141,7 @@ def measure_live(model: str, seconds: float, rate: float, tmp: Path) -> dict[str
             "other_drift_incidents": [{k: json.loads(i["data"])[k] for k in ("role", "slope_mb_per_100", "requests")}
                                       for i in inc if json.loads(i["data"])["role"] != "engine_core"],
             "last_rows": rows,
-            "min_requests_to_detect": min_span(series),
+            "min_requests_to_detect": min_span(led_series),
         }
     finally:
         if wd is not None and wd.poll() is None:
