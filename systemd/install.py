@@ -155,16 +155,17 @@ def plan_uninstall(root: Path, live: bool, instance: str | None, purge: bool) ->
             plan.remove.append(MANIFEST)
     plan.enable = units
     if live:
-        plan.commands = [["systemctl", "disable", "--now", *units], ["systemctl", "daemon-reload"],
-                         ["systemctl", "reset-failed", *units]]
+        plan.commands = [["systemctl", "disable", "--now", *units], ["systemctl", "reset-failed", *units],
+                         ["systemctl", "daemon-reload"]]
     else:
         plan.commands = [["systemctl", f"--root={root}", "disable", *units]]
     return plan
 
 
 def apply_uninstall(plan: Plan, instance: str | None) -> None:
-    if plan.commands:
-        run(plan.commands[0], plan.live)  # disable (and stop) before the files go
+    for cmd in plan.commands[:2]:  # disable (and stop), reset-failed: while the units still exist
+        if cmd[1] != "daemon-reload":
+            run(cmd, plan.live)
     for path in plan.remove:
         plan.path(path).unlink(missing_ok=True)
     manifest = read_manifest(plan.root)
@@ -173,8 +174,9 @@ def apply_uninstall(plan: Plan, instance: str | None) -> None:
         manifest["units"] = [u for u in manifest["units"] if u not in plan.enable]
         manifest["instances"] = [i for i in manifest["instances"] if instance is not None and i != instance]
         plan.path(MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    for cmd in plan.commands[1:]:
-        run(cmd, plan.live)
+    for cmd in plan.commands:
+        if cmd[1] == "daemon-reload":
+            run(cmd, plan.live)
 
 
 def run(cmd: list[str], live: bool) -> None:
@@ -185,10 +187,12 @@ def run(cmd: list[str], live: bool) -> None:
         print(f"skipped (no {cmd[0]}): {' '.join(cmd)}", file=sys.stderr)
         return
     out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0 and cmd[:2] == ["systemctl", "reset-failed"]:
+        return  # best effort: a unit that is not loaded has no failed state to reset
     if out.returncode != 0:
         detail = (out.stderr or out.stdout).strip().splitlines()
         line = f"{' '.join(cmd)} failed ({out.returncode}): {detail[-1] if detail else ''}"
-        if live and cmd[:2] != ["systemctl", "reset-failed"]:
+        if live:
             raise RuntimeError(line)
         print(f"warning: {line}", file=sys.stderr)
 
