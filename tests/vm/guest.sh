@@ -144,6 +144,51 @@ else
 fi
 rm -rf /run/systemd/system/vllm-guard-watchdog.service.d; systemctl daemon-reload
 
+say "start limit and the revive timer's service"
+unit_prop() { systemctl show -p "$1" --value vllm-guard.service; }
+wait_unit() {  # wait_unit SECONDS ActiveState [Result]
+  local end=$((SECONDS + $1))
+  while [ $SECONDS -lt $end ]; do
+    [ "$(unit_prop ActiveState)" = "$2" ] && { [ -z "${3:-}" ] || [ "$(unit_prop Result)" = "$3" ]; } && return 0
+    sleep 1
+  done
+  return 1
+}
+fail_with() {  # replace the runtime by an exit code, through a runtime drop-in
+  mkdir -p /run/systemd/system/vllm-guard.service.d
+  printf '[Service]\nExecStart=\nExecStart=/bin/sh -c "exit %s"\n' "$1" > /run/systemd/system/vllm-guard.service.d/fail.conf
+  systemctl daemon-reload
+}
+fail_with 2
+systemctl stop vllm-guard.service
+systemctl start --no-block vllm-guard.service
+wait_unit 60 failed
+sleep 7  # longer than RestartSec: a restart would have begun
+props2=$(systemctl show -p ActiveState,Result,ExecMainStatus,NRestarts vllm-guard.service | tr '\n' ' ')
+systemctl start vllm-guard-revive.service
+journalctl -u vllm-guard-revive.service --no-pager -o cat | grep "vllm-guard.service:" | tail -1
+still=$(unit_prop ActiveState)
+ok=$([[ "$props2" == *"ExecMainStatus=2"* ]] && [[ "$props2" == *"NRestarts=0"* ]] && [ "$still" = failed ] && echo true || echo false)
+result exit2_not_restarted "$ok" "$props2; after revive: $still (config errors wait for an operator)"
+fail_with 3
+systemctl reset-failed vllm-guard.service
+systemctl start --no-block vllm-guard.service
+wait_unit 120 failed start-limit-hit
+props3=$(systemctl show -p ActiveState,Result,ExecMainStatus,NRestarts vllm-guard.service | tr '\n' ' ')
+rm -rf /run/systemd/system/vllm-guard.service.d
+systemctl daemon-reload
+t0=$SECONDS
+systemctl start vllm-guard-revive.service
+revive_line=$(journalctl -u vllm-guard-revive.service --no-pager -o cat | grep "vllm-guard.service:" | tail -1)
+echo "$revive_line"
+if wait_unit 600 active && wait_for 60 "s['state']=='serving'"; then
+  code=$(complete)
+  ok=$([[ "$props3" == *"Result=start-limit-hit"* ]] && [ "$code" = 200 ] && echo true || echo false)
+  result revive_after_start_limit "$ok" "$props3; revive: $revive_line; active and serving $((SECONDS - t0)) s later, HTTP $code"
+else
+  result revive_after_start_limit false "$props3; revive: $revive_line; not active after 600 s"
+fi
+
 say "clean stop"
 t0=$SECONDS
 systemctl stop vllm-guard.service

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 IMAGE_DIR = Path(os.environ.get("VLLM_GUARD_VM_IMAGE", "/var/tmp/vllm-guard-vm"))
 STEPS = ("install", "ready", "request", "kill9_restored", "reload_graceful", "admin_denied_to_others",
-         "watchdog_acts", "clean_stop", "uninstall")
+         "watchdog_acts", "exit2_not_restarted", "revive_after_start_limit", "clean_stop", "uninstall")
 VM_TIMEOUT_S = 1800
 
 pytestmark = [
