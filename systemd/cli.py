@@ -116,7 +116,11 @@ def cmd_install(args: argparse.Namespace, _: list[str]) -> int:
     base = R.base_context(settings, bin_path, I.stop_timeout(cfg), [cfg.server.model])
     units = R.render_units(base)
     watchdog = _watchdog_available()
-    plan = I.plan_install(root, live, layout, text, env, units, settings, watchdog, args.force_config)
+    # A re-install without flags keeps an operator's guard.toml; flags that change it rewrite it
+    # from the existing file plus the flags (other keys survive, comments do not).
+    changes = (args.model, args.port, args.host, args.config, args.user, args.watchdog_user, args.gpus)
+    rewrite = args.force_config or bool(args.env) or any(v is not None for v in changes)
+    plan = I.plan_install(root, live, layout, text, env, units, settings, watchdog, rewrite)
     if not watchdog:
         print("note: `vllm-guard watchdog` is not in this build: its unit is installed, not enabled",
               file=sys.stderr)

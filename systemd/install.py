@@ -200,7 +200,7 @@ def run(cmd: list[str], live: bool) -> None:
 def describe(plan: Plan, verb: str) -> str:
     lines = [f"{verb} plan (root {plan.root}):"]
     lines += [f"  write {p}  ({mode:o})" for p, (_, mode) in plan.files.items()]
-    lines += [f"  keep  {p}  (exists; --force-config overwrites)" for p in plan.keep]
+    lines += [f"  keep  {p}  (exists; flags or --force-config rewrite it)" for p in plan.keep]
     lines += [f"  remove {p}" for p in plan.remove]
     lines += [f"  run   {' '.join(c)}" for c in plan.commands]
     return "\n".join(lines)

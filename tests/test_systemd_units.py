@@ -142,6 +142,9 @@ def test_reinstall_keeps_edited_config_and_uninstall_keeps_the_ledger(tmp_path: 
     conf.write_text(conf.read_text().replace("port = 23995", "port = 23994"))
     assert install(root).returncode == 0
     assert rc.load(conf).server.port == 23994  # an operator's edit survives a re-install (upgrade)
+    conf.write_text(conf.read_text() + "\n[recycle]\nmax_requests = 77\n")
+    assert install(root, "--port", "23993").returncode == 0  # a flag rewrites it, other keys kept
+    assert rc.load(conf).server.port == 23993 and rc.load(conf).recycle.max_requests == 77
     ledger = root / "var/lib/vllm-guard/ledger.sqlite"
     ledger.parent.mkdir(parents=True)
     ledger.write_bytes(b"ledger")
