@@ -7,6 +7,7 @@ Reported: request throughput, output token throughput and TTFT p50 of each, and 
 ratio per pair with a 95 % t-interval over pairs.
 
     .venv/bin/python bench/bench_soak_vs_vllm.py [--pairs 4] [--num 60] [--rate 4] [--json out.json]
+    .venv/bin/python bench/bench_soak_vs_vllm.py --rate inf --concurrency 4 --num 120   # saturated
     # an existing server instead of a fresh guarded tiny model:
     .venv/bin/python bench/bench_soak_vs_vllm.py --url http://127.0.0.1:8000 --tokenizer /path/to/model
 """
@@ -55,7 +56,7 @@ def start_guard(tmp: Path, model: str, vllm_args: list[str]) -> tuple[subprocess
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     log = open(tmp / "guard.log", "wb")
     p = subprocess.Popen([str(BIN / "vllm-guard"), "serve", "--model", model, "--port", str(port), "--state-dir",
-                          str(tmp / "state"), "--", *vllm_args], stdout=log, stderr=subprocess.STDOUT, env=env)
+                          str(tmp / "state"), "--probe-timeout", "120s", "--", *vllm_args], stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 900
     while time.monotonic() < end:
@@ -75,6 +76,8 @@ def run_vllm_bench(url: str, model: str, tokenizer: str, a: argparse.Namespace, 
            "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
            "--random-range-ratio", "0", "--num-prompts", str(a.num), "--request-rate", str(a.rate), "--seed", str(seed),
            "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", str(tmp), "--result-filename", out.name]
+    if a.concurrency:
+        cmd += ["--max-concurrency", str(a.concurrency)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if r.returncode != 0:
         raise RuntimeError(f"vllm bench failed: {r.stderr[-3000:]}")
@@ -86,8 +89,12 @@ def run_vllm_bench(url: str, model: str, tokenizer: str, a: argparse.Namespace, 
 def run_soak(url: str, a: argparse.Namespace, seed: int, tmp: Path) -> dict[str, float]:
     db = tmp / f"soak-{seed}.sqlite"
     cmd = [str(BIN / "vllm-guard"), "soak", "--url", url, "--db", str(db), "--scenario", "custom",
-           "--prompt-tokens", str(a.input_len), "--output-tokens", str(a.output_len), "--rate", str(a.rate),
+           "--prompt-tokens", str(a.input_len), "--output-tokens", str(a.output_len),
            "--requests", str(a.num), "--seed", str(seed), "--no-progress", "--duration", "24h"]
+    if a.rate != float("inf"):
+        cmd += ["--rate", str(a.rate), "--fixed-span"]  # vllm bench normalises N requests to N/rate s
+    if a.concurrency:
+        cmd += ["--concurrency", str(a.concurrency)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
         raise RuntimeError(f"soak failed: {r.stderr[-3000:]}")
@@ -113,7 +120,8 @@ def main() -> int:
     p.add_argument("--tokenizer", help="model dir for vllm bench's random dataset (default: the tiny model)")
     p.add_argument("--pairs", type=int, default=4)
     p.add_argument("--num", type=int, default=60)
-    p.add_argument("--rate", type=float, default=4.0)
+    p.add_argument("--rate", type=float, default=4.0, help="requests/s (inf: closed loop at --concurrency)")
+    p.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight (both clients)")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--vllm-args", default="--enforce-eager --max-model-len 512 --max-num-seqs 16")
@@ -132,7 +140,7 @@ def main() -> int:
                 subprocess.run([str(BIN / "vllm-guard"), "model", "tiny", tok], check=True, capture_output=True)
             guard, url = start_guard(tmp, tok, a.vllm_args.split())
         model = served_model(url)
-        run_soak(url, argparse.Namespace(**{**vars(a), "num": 8}), 999, tmp)  # warm-up, not counted
+        run_soak(url, argparse.Namespace(**{**vars(a), "num": 8, "rate": 4.0, "concurrency": None}), 999, tmp)  # warm-up
         pairs = []
         for i in range(a.pairs):
             order = ("vllm", "soak") if i % 2 == 0 else ("soak", "vllm")

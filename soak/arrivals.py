@@ -27,6 +27,7 @@ class Schedule:
     mode: str = "steady"  # steady | burst
     burst_period_s: float = 60.0
     burst_duty: float = 0.25
+    span_requests: int = 0  # > 0: scale so request span_requests - 1 is sent at span_requests / rate
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -35,6 +36,8 @@ class Schedule:
             raise ValueError(f"burstiness has value {self.burstiness!r}: must be > 0")
         if self.mode not in ("steady", "burst"):
             raise ValueError(f"mode has value {self.mode!r}: steady or burst")
+        if self.span_requests and (self.mode != "steady" or math.isinf(self.rate)):
+            raise ValueError("a fixed span needs steady mode and a finite rate")
         if self.mode == "burst" and not (0 < self.burst_duty <= 1 and self.burst_period_s > 0):
             raise ValueError(f"burst duty {self.burst_duty!r} / period {self.burst_period_s!r} out of range")
 
@@ -53,8 +56,23 @@ class Schedule:
         on = self.burst_period_s * self.burst_duty
         return np.floor(t / on) * self.burst_period_s + np.mod(t, on)
 
+    def _scale(self) -> float:
+        """vllm bench serve's normalisation: N requests span exactly N / rate seconds, so the
+        throughput of a fixed-count run does not depend on the seed's draw."""
+        if not self.span_requests:
+            return 1.0
+        raw = Schedule(self.rate, self.burstiness, self.seed)
+        last = next(raw.offsets(self.span_requests - 1))[1]
+        return (self.span_requests / self.rate) / last
+
     def offsets(self, start: int = 0) -> Iterator[tuple[int, float]]:
         """(index, run-time offset) from request `start` on, forever, in order."""
+        if self.span_requests:
+            k = self._scale()
+            raw = Schedule(self.rate, self.burstiness, self.seed)
+            for i, t in raw.offsets(start):
+                yield i, t * k
+            return
         block = start // BLOCK
         base = 0.0
         for b in range(block):  # same float operations as a straight run: identical offsets

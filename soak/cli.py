@@ -36,6 +36,8 @@ def add_commands(sub: Any) -> dict[str, Handler]:
     s.add_argument("--prompt-tokens", type=int, default=None)
     s.add_argument("--output-tokens", type=int, default=None)
     s.add_argument("--requests", type=int, default=None, help="stop after this many requests")
+    s.add_argument("--fixed-span", action="store_true",
+                   help="with --requests N: scale arrivals so the N-th is sent at N/rate (as vllm bench serve)")
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--timeout", default=None, help="per-request timeout (default 10m)")
     s.add_argument("--model", default=None, help="model name (default: the server's first)")
@@ -125,6 +127,8 @@ def build_params(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     for name, v in (("rate", rate), ("burstiness", c.get("burstiness", 1.0)), ("concurrency", shape.concurrency or 1)):
         if not v > 0:
             raise ConfigError(f"{name} has value {v!r}: must be > 0")
+    if args.fixed_span and (not args.requests or math.isinf(rate) or (c.get("mode") or "steady") != "steady"):
+        raise _usage("--fixed-span needs --requests, --rate and steady mode")
     if not 0 < args.burst_duty <= 1:
         raise ConfigError(f"--burst-duty has value {args.burst_duty!r}: must be in (0, 1]")
     params = {
@@ -136,6 +140,7 @@ def build_params(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "duration_s": parse_duration(c.get("duration", "10m"), "--duration"),
         "timeout_s": parse_duration(c.get("timeout", "10m"), "--timeout"),
         "max_requests": args.requests, "state_dir": state_dir,
+        "span_requests": args.requests if args.fixed_span and args.requests else 0,
         "sample_interval_s": parse_duration(c.get("sample_interval", "2s"), "--sample-interval"),
     }
     return params, _default_db(c.get("db"), state_dir), shape.note  # type: ignore[return-value]

@@ -60,7 +60,7 @@ class Soak:
                  progress: bool = True) -> None:
         self.store, self.run_id, self.token, self.p = store, run_id, token, params
         self.sched = Schedule(params["rate"], params["burstiness"], params["seed"], params["mode"],
-                              params["burst_period_s"], params["burst_duty"])
+                              params["burst_period_s"], params["burst_duty"], params.get("span_requests", 0))
         self.live = Live()
         self.stop = asyncio.Event()
         self.show_progress = progress

@@ -26,6 +26,17 @@ def test_resume_reproduces_the_same_offsets(start: int) -> None:
     assert prompt_ids(7, start, 16) == prompt_ids(7, start, 16) != prompt_ids(7, start + 1, 16)
 
 
+def test_fixed_span_puts_the_nth_request_at_n_over_rate() -> None:
+    for seed in range(3):
+        s = Schedule(rate=4.0, seed=seed, span_requests=60)
+        t = _take(s, 0, 60)
+        assert t[-1] == pytest.approx(15.0) and _take(s, 30, 30) == t[30:]
+        raw = _take(Schedule(rate=4.0, seed=seed), 0, 60)
+        assert np.allclose(np.diff(t) / np.diff(raw), t[-1] / raw[-1])
+    with pytest.raises(ValueError):
+        Schedule(rate=4.0, mode="burst", span_requests=10)
+
+
 def test_poisson_and_gamma_rates_and_burstiness() -> None:
     for burst, cv in ((1.0, 1.0), (0.25, 2.0), (4.0, 0.5)):
         t = np.array(_take(Schedule(rate=50.0, burstiness=burst, seed=1), 0, 20000))
