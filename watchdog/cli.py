@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 from typing import Any
 
 from vllm_guard.runtime.config import ConfigError, load
