@@ -83,7 +83,11 @@ def leak_run(nv, args: argparse.Namespace, alloc_conf: str) -> dict:
             xs.append(int(n)), ys.append(mb), ts.append(time.monotonic() - t0)
         if int(n) >= args.requests:
             break
-    p.stdin.write("\n"), p.stdin.flush()
+    try:
+        p.stdin.write("\n")
+        p.stdin.flush()
+    except BrokenPipeError:  # the child died: its series so far is still worth reporting
+        pass
     p.wait(timeout=60)
     true = LEAK_KB * 1024 * 100 / 2**20
     out = {"alloc_conf": alloc_conf or "default", "points": len(xs), "requests": args.requests,
@@ -145,14 +149,16 @@ def main() -> int:
     time.sleep(args.idle_s)
     label[0] = "load"
     results = []
-    for v in [x for x in args.variants.split(",") if x]:
-        r = leak_run(nv, args, "" if v == "default" else v)
-        results.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "series"}), flush=True)
-    label[0] = "idle"
-    time.sleep(args.tail_s)
-    stop.set()
-    th.join()
+    try:
+        for v in [x for x in args.variants.split(",") if x]:
+            r = leak_run(nv, args, "" if v == "default" else v)
+            results.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "series"}), flush=True)
+        label[0] = "idle"
+        time.sleep(args.tail_s)
+    finally:
+        stop.set()
+        th.join()
     writer.close()
     writer_meta = sampler.meta()  # capability table after every field was tried
     sampler.close()
