@@ -65,7 +65,8 @@ def serve_proxy(port: int, upstream: str) -> None:
     logsetup.configure("info")  # as `serve` does: JSON access events, one per request
 
     async def main() -> None:
-        proxy = Proxy(ServerConfig(port=port), on_limit=lambda t: None, on_error=lambda t: None)
+        cfg = ServerConfig(port=port, access_log=os.environ.get("BENCH_ACCESS_LOG", "1") == "1")
+        proxy = Proxy(cfg, on_limit=lambda t: None, on_error=lambda t: None)
         target = Target(generation=1, url=upstream)
         target.open(600)
         await proxy.start()
