@@ -132,6 +132,7 @@ def test_xid13_restarts_the_app_once(tmp_path: Path) -> None:
     assert rt.received == [("restart", {"reason": "xid-13", "class": "unplanned"})]
     inc = [i for i in _incidents(tmp_path) if i["kind"] == "xid_13"]
     assert [i["action"] for i in inc] == ["restart:ok", "cooldown:restart"]  # two lines, one fault
+    assert all(i["restored_at"] for i in inc)  # the runtime serves again: the incident is over
 
 
 def test_kernel_oom_both_formats_attributed_by_task_memcg(tmp_path: Path) -> None:
