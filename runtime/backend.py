@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 API_SERVER, ENGINE_CORE, WORKER, HELPER = "api_server", "engine_core", "worker", "helper"
 RUNTIME_OWNED_ARGS = ("--host", "--port", "--model")
+PROBE_ID_PREFIX = "vllm-guard-probe-"
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -244,9 +246,12 @@ class Backend:
         """A real 1-token completion; the only proof that the engine still works."""
         t0 = time.monotonic()
         body = {"model": self.served_model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        # vLLM takes X-Request-Id into the engine's request id: the plugin and the injector know
+        # a probe by it, so probes never count toward limits or injected faults.
+        headers = {**self._headers(), "X-Request-Id": f"{PROBE_ID_PREFIX}{uuid.uuid4().hex}"}
         try:
             async with session.post(
-                self.url + "/v1/completions", json=body, headers=self._headers(),
+                self.url + "/v1/completions", json=body, headers=headers,
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as r:
                 text = await r.text()
