@@ -55,6 +55,19 @@ def upstream_factory() -> Iterator[Any]:
         u.stop()
 
 
+def wait_rows(db: Path, n: int, timeout: float = 60.0) -> None:
+    """Until the soak has stored `n` results (it starts slowly on a busy box)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if db.exists() and rows(db, "SELECT COUNT(*) FROM requests")[0][0] >= n:
+                return
+        except sqlite3.OperationalError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"fewer than {n} results in {db} after {timeout} s")
+
+
 def soak_cmd(url: str, db: Path, *extra: str) -> list[str]:
     return [GUARD, "soak", "--url", url, "--db", str(db), "--scenario", "custom", "--prompt-tokens", "16",
             "--no-progress", *extra]
@@ -107,7 +120,7 @@ def test_kill_9_and_resume_account_for_every_request_id(upstream_factory: Any, t
     db = tmp_path / "l.sqlite"
     args = ("--output-tokens", "20", "--rate", "25", "--duration", "8s", "--seed", "11")
     p = subprocess.Popen(soak_cmd(up.url, db, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(3.5)
+    wait_rows(db, 25)
     p.send_signal(signal.SIGKILL)
     p.wait(10)
     before = len(rows(db, "SELECT 1 FROM requests"))
@@ -139,7 +152,7 @@ def test_sigint_interrupts_and_resume_finishes(upstream_factory: Any, tmp_path: 
     db = tmp_path / "l.sqlite"
     p = subprocess.Popen(soak_cmd(up.url, db, "--output-tokens", "4", "--rate", "20", "--duration", "4s"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(1.5)
+    wait_rows(db, 10)
     p.send_signal(signal.SIGINT)
     assert p.wait(30) == 130
     assert rows(db, "SELECT status FROM runs") == [("interrupted",)]

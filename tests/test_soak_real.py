@@ -59,7 +59,15 @@ def test_kill_9_and_resume_match_the_proxy_count(guard: GuardServer, tmp_path: P
             "--rate", "8", "--duration", "12s", "--seed", "5"]
     p = subprocess.Popen([GUARD, "soak", "--no-progress", "--scenario", "custom", *args],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(6)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:  # until a dozen results are stored (a slow start on a busy box)
+        try:
+            with sqlite3.connect(db) as c:
+                if c.execute("SELECT COUNT(*) FROM requests").fetchone()[0] >= 12:
+                    break
+        except sqlite3.OperationalError:
+            pass
+        time.sleep(0.2)
     p.send_signal(signal.SIGKILL)
     p.wait(10)
     soak("--resume", "--db", str(db))
