@@ -88,7 +88,9 @@ class RecycleConfig:
 class ProbeConfig:
     interval: Duration = Duration(15.0)
     timeout: Duration = Duration(20.0)
-    failures: int = 1  # consecutive timed-out probes without engine progress that make a hang
+    # consecutive timed-out probes without engine progress that make a hang: 2, because a box
+    # starved of CPU can stall the engine for one probe window without anything being wrong
+    failures: int = 2
     prompt: str = "ping"
 
 

@@ -8,6 +8,7 @@ runtime's tables alone. Times are ISO 8601 UTC text (sortable), durations are se
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import socket
 import sqlite3
 from pathlib import Path
@@ -187,7 +188,13 @@ def connect(path: str | Path) -> sqlite3.Connection:
     if p.is_dir():
         p = p / LEDGER_NAME
     p.parent.mkdir(parents=True, exist_ok=True)
+    created = not p.exists()
     conn = sqlite3.connect(str(p), timeout=30.0, isolation_level=None, check_same_thread=False)
+    if created:  # group-writable whatever the umask: runtime, watchdog and soak share the file
+        try:
+            os.chmod(p, 0o660)  # before WAL: SQLite gives -wal/-shm the database's mode
+        except OSError:
+            pass
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")

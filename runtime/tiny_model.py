@@ -77,6 +77,8 @@ def build(out: Path) -> Path:
     torch.manual_seed(SPEC["seed"])
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
     (out / MARKER).write_text(json.dumps(SPEC, indent=2) + "\n")
+    for f in out.iterdir():  # safetensors writes 0600: a dedicated service user must read it
+        f.chmod(0o644)
     return out
 
 

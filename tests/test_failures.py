@@ -25,8 +25,11 @@ PROBE_INTERVAL, PROBE_TIMEOUT = 3.0, 5.0
 
 @pytest.fixture(scope="module")
 def srv(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
-    s = GuardServer(tiny_model, tmp_path_factory.mktemp("failures"),
-                    args=["--probe-interval", f"{PROBE_INTERVAL}s", "--probe-timeout", f"{PROBE_TIMEOUT}s"])
+    state = tmp_path_factory.mktemp("failures")
+    cfg = state / "guard.toml"
+    cfg.write_text("[probe]\nfailures = 1\n")  # one no-progress timeout is a hang here
+    s = GuardServer(tiny_model, state, args=["--config", str(cfg), "--probe-interval", f"{PROBE_INTERVAL}s",
+                                             "--probe-timeout", f"{PROBE_TIMEOUT}s"])
     s.start()
     try:
         s.wait_serving(1, 300)

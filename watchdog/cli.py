@@ -63,6 +63,8 @@ async def _main(cfg: WatchdogConfig, explicit: set[str], state_dir: str, once: b
     from .loop import Watchdog, verdicts_json
     import structlog
 
+    from vllm_guard.runtime.notify import Notifier
+
     log = structlog.get_logger("vllm_guard.watchdog")
     wd = Watchdog(cfg, state_dir, exporter=not once)
     names = [s.get("name") or "" for s in wd.nvml.static]
@@ -84,8 +86,13 @@ async def _main(cfg: WatchdogConfig, explicit: set[str], state_dir: str, once: b
             out = verdicts_json(s, results)
             print(json.dumps(out, indent=2 if as_json else None, default=str))
             return 0
+        notifier = Notifier()  # its unit is Type=notify with its own WatchdogSec
+        notifier.ready("watching")
         while not stop.is_set():
             await wd.tick()
+            notifier.status(f"watching: tick {wd.ticks}")
+            if notifier.watchdog_due():
+                notifier.watchdog()
             if wd.replay_done():
                 log.info("replay_finished", ticks=wd.ticks)
                 break
@@ -93,6 +100,7 @@ async def _main(cfg: WatchdogConfig, explicit: set[str], state_dir: str, once: b
                 await asyncio.wait_for(stop.wait(), cfg.interval)
             except asyncio.TimeoutError:
                 pass
+        notifier.stopping()
         return 0
     finally:
         await wd.close()
