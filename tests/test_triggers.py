@@ -50,8 +50,10 @@ def test_host_rss_growth_triggers_a_preventive_recycle(srv: GuardServer) -> None
     first = st["recycles"][0]
     assert (first["reason"], first["class"]) == ("host_rss_growth", "preventive")
     served_gen1 = [r for r in results if r.generation == "1"]
-    # 30 MB at 0.5 MB per request: ~60 requests after the 10 warm-up ones (+ a 1 s sample lag)
-    assert 50 <= len(served_gen1) <= 120, len(served_gen1)
+    # 30 MB at 0.5 MB per request needs ~60 requests after the 10 warm-up ones: a recycle before
+    # 50 would be noise, not the leak. (No upper bound: on an idle box the 140 requests finish
+    # between two memory samples and the recycle comes right after the load.)
+    assert len(served_gen1) >= 50, len(served_gen1)
     db = sqlite3.connect(srv.state_dir / "ledger.sqlite")
     assert db.execute("SELECT end_reason, end_class FROM generations WHERE generation = 1").fetchone() == (
         "host_rss_growth", "preventive")
