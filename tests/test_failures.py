@@ -65,14 +65,17 @@ async def storm(srv: GuardServer, n: int, max_tokens: int, fault: Any, after_fau
 def test_kill_9_of_engine_core_restores_service_and_retries_unstarted_requests(srv: GuardServer) -> None:
     st = srv.status()
     gen, pid = st["generation"], engine_pid(st)
-    first, later, _ = asyncio.run(storm(srv, 6, 400, lambda: os.kill(pid, signal.SIGKILL), 6))
+    first, later, t_fault = asyncio.run(storm(srv, 12, 480, lambda: os.kill(pid, signal.SIGKILL), 6))
     # Requests sent after the crash had not reached the backend: the next generation serves them.
     assert all(r.ok and r.completion_tokens == 8 for r in later), [r.error for r in later]
     assert {r.generation for r in later} == {str(gen + 1)}
-    # Streams cut by the crash end with an error event, never a hang or a silent truncation.
+    # Streams cut by the crash end with an error event, never a hang or a silent truncation;
+    # a stream still open a second after the kill was cut by it.
     for r in first:
         assert r.ok or (r.status == 200 and r.error is not None), r
-    assert any(not r.ok for r in first), "streams were mid-way at the fault: they must see the error"
+    cut = [r for r in first if r.first_byte is not None and r.ended - (time.time() - time.monotonic()) > t_fault + 1]
+    assert cut, "no stream was in flight at the crash: the test did not exercise it"
+    assert all(not r.ok for r in cut if r.generation == str(gen)), cut
     st = srv.wait_serving(gen + 1, 300)
     assert st["failures"] == 1
     f = st["failure_log"][0]
@@ -90,7 +93,9 @@ def test_sigstop_of_engine_core_is_a_hang_detected_by_the_probe(srv: GuardServer
     gen = st["generation"]
     pids = [c["pid"] for c in st["children"]]
     pid = engine_pid(st)
-    first, later, t_fault = asyncio.run(storm(srv, 4, 400, lambda: os.kill(pid, signal.SIGSTOP), 4))
+    # 12 long streams (max-num-seqs 16): on an idle box the tiny engine could otherwise finish
+    # every token before the fault and leave nothing in flight to stall
+    first, later, t_fault = asyncio.run(storm(srv, 12, 480, lambda: os.kill(pid, signal.SIGSTOP), 4))
     st = srv.wait_serving(gen + 1, 300)
     hang = [f for f in st["failure_log"] if f["kind"] == "hang"]
     assert len(hang) == 1
@@ -104,9 +109,13 @@ def test_sigstop_of_engine_core_is_a_hang_detected_by_the_probe(srv: GuardServer
     at = datetime.fromisoformat(detected[0]["timestamp"].replace("Z", "+00:00")).timestamp()
     assert at - t_fault <= PROBE_INTERVAL + PROBE_TIMEOUT + 3.0, at - t_fault
     # In-flight clients get an error, not a hang; unstarted ones are served by the next generation.
+    # A stream still open when the hang was detected was stalled by it: it must end in an error.
+    at_mono = at - (time.time() - time.monotonic())
+    stalled = [r for r in first if r.ended > at_mono]
     for r in first:
         assert r.ok or (r.status == 200 and r.error is not None), r
-    assert any(not r.ok for r in first), "streams were mid-way at the fault: they must see the error"
+    assert stalled, "no stream was in flight at the hang: the test did not exercise it"
+    assert all(not r.ok for r in stalled if r.first_byte is not None and r.first_byte < at_mono), stalled
     assert all(r.ok for r in later), [r.error for r in later]
     # the whole old process group is gone (a stopped process dies only by SIGKILL), zombies
     # included: the runtime is the subreaper of orphaned grandchildren and reaps them

@@ -87,7 +87,8 @@ def test_kill_9_and_resume_match_the_proxy_count(guard: GuardServer, tmp_path: P
     lost = {r[1] for r in rows if r[2] == "lost_in_flight"}
     assert all(r[2] in (None, "lost_in_flight") for r in rows)
     assert done <= set(seen) <= done | lost  # a lost one was journaled just before its send
-    assert 0 < len(lost) <= 40  # in flight at the kill (rate 8 x a few seconds each on a busy box)
+    # in flight at the kill: none on an idle box (each request takes a few ms), some on a busy one
+    assert 0 <= len(lost) <= 40
     assert after["requests_total"] - before["requests_total"] == len(seen)  # the proxy's count agrees
     assert after["failed_requests"] == before["failed_requests"]
     failed_ids = [e.get("request_id") for e in guard.events() if e.get("event") in ("request_failed", "request_retry")]
