@@ -76,7 +76,15 @@ fi
 
 say "systemctl reload with a request in flight"
 gen_before=$(field "s['generation']")
-# A long stream (4000 tokens, ~10 s here) so it is surely running when the recycle starts.
+# Eight long streams (4000 tokens each) so the engine is busy for many seconds and they are
+# surely running when the recycle starts (one stream alone can finish first on an idle box).
+curl_pids=""
+for i in 2 3 4 5 6 7 8; do
+  curl -sN "$URL/v1/completions" -H 'Content-Type: application/json' -o /tmp/stream$i.txt -w '%{http_code}' \
+    -d "{\"model\": \"$MODEL\", \"prompt\": \"hello\", \"max_tokens\": 4000, \"ignore_eos\": true, \"stream\": true}" \
+    > /tmp/stream$i.code &
+  curl_pids="$curl_pids $!"
+done
 curl -sN "$URL/v1/completions" -H 'Content-Type: application/json' -o /tmp/stream.txt -w '%{http_code}' \
   -d "{\"model\": \"$MODEL\", \"prompt\": \"hello\", \"max_tokens\": 4000, \"ignore_eos\": true, \"stream\": true}" \
   > /tmp/stream.code &
@@ -87,6 +95,8 @@ reload_rc=$?
 reload_at=$(date +%s.%N)
 wait $curl_pid
 stream_end=$(date +%s.%N)
+wait $curl_pids
+others_done=$(cat /tmp/stream[2-8].txt | grep -c '^data: \[DONE\]')
 chunks=$(grep -c '^data: {' /tmp/stream.txt)
 done_seen=$(grep -c '^data: \[DONE\]' /tmp/stream.txt)
 finish=$(grep -o '"finish_reason":"[a-z]*"' /tmp/stream.txt | tail -1)
@@ -96,8 +106,9 @@ if wait_for 600 "s['state']=='serving' and s['generation']>$gen_before"; then
   rec=$(field "[(r['reason'], r['in_flight'], r['duration_s']) for r in s['recycles']][-1]")
   code=$(complete)
   ok=$([ $reload_rc = 0 ] && [ "$(cat /tmp/stream.code)" = 200 ] && [ "$done_seen" = 1 ] && [ "$finish" = '"finish_reason":"length"' ] \
+       && [ "$others_done" = 7 ] \
        && [ "${rec_in_flight:-0}" -ge 1 ] && [ "$code" = 200 ] && echo true || echo false)
-  result reload_graceful "$ok" "reload rc=$reload_rc; the stream ended $after s after the reload: HTTP $(cat /tmp/stream.code), $chunks chunks, $finish, [DONE]=$done_seen; recycle (reason, in_flight, duration_s)=$rec; generation $gen_before -> $(field "s['generation']"); next request HTTP $code; failed requests $(field "s['failed_requests']")"
+  result reload_graceful "$ok" "reload rc=$reload_rc; the stream ended $after s after the reload: HTTP $(cat /tmp/stream.code), $chunks chunks, $finish, [DONE]=$done_seen (and $others_done/7 beside it); recycle (reason, in_flight, duration_s)=$rec; generation $gen_before -> $(field "s['generation']"); next request HTTP $code; failed requests $(field "s['failed_requests']")"
 else
   result reload_graceful false "not serving after reload: $(status_json | head -c 400)"
 fi
