@@ -28,8 +28,12 @@ def srv(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[G
     state = tmp_path_factory.mktemp("failures")
     cfg = state / "guard.toml"
     cfg.write_text("[probe]\nfailures = 1\n")  # one no-progress timeout is a hang here
+    # Two sequences at a time: the engine works through the 12 long streams in waves for
+    # seconds, so a fault always finds some mid-way (alone, the tiny model can generate every
+    # token before the fault lands and leave only buffered output in flight).
     s = GuardServer(tiny_model, state, args=["--config", str(cfg), "--probe-interval", f"{PROBE_INTERVAL}s",
-                                             "--probe-timeout", f"{PROBE_TIMEOUT}s"])
+                                             "--probe-timeout", f"{PROBE_TIMEOUT}s"],
+                    vllm_args=["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "2"])
     s.start()
     try:
         s.wait_serving(1, 300)
