@@ -27,8 +27,8 @@ from .backend import free_port
 
 async def _stream(session: aiohttp.ClientSession, url: str, model: str, max_tokens: int) -> tuple[bool, str]:
     body = {"model": model, "prompt": "hello world", "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True}
-    chunks, done = 0, False
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    tokens, done, error = None, False, False
     async with session.post(url + "/v1/completions", json=body) as r:
         gen = r.headers.get("X-Vllm-Guard-Generation", "?")
         if r.status != 200:
@@ -37,9 +37,12 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, max_toke
             line = raw.decode().strip()
             if line == "data: [DONE]":
                 done = True
-            elif line.startswith("data: {") and '"error"' not in line[:20]:
-                chunks += 1
-    return done and chunks >= max_tokens, gen
+            elif line.startswith("data: {"):
+                event = json.loads(line[6:])
+                error = error or "error" in event
+                if event.get("usage"):  # vLLM may merge deltas into fewer chunks: count tokens
+                    tokens = event["usage"]["completion_tokens"]
+    return done and not error and tokens == max_tokens, gen
 
 
 async def _load(url: str, model: str, total: int, concurrency: int, state_dir: Path) -> dict[str, Any]:
