@@ -34,6 +34,7 @@ class LedgerData:
     runs: list[dict[str, Any]] = field(default_factory=list)
     requests: dict[str, np.ndarray] = field(default_factory=dict)  # numeric columns
     errors: list[str | None] = field(default_factory=list)  # the error column, row-aligned
+    meta: dict[str, Any] = field(default_factory=dict)  # `meta` rows, JSON values decoded
 
 
 def _open(path: str | Path) -> sqlite3.Connection:
@@ -87,6 +88,12 @@ def load(path: str | Path, run_id: int | None = None) -> LedgerData:
     try:
         t = _tables(conn)
         d = LedgerData(path=str(db_path(path)))
+        if "meta" in t:
+            for r in _rows(conn, "SELECT key, value FROM meta"):
+                try:
+                    d.meta[r["key"]] = json.loads(r["value"])
+                except ValueError:
+                    d.meta[r["key"]] = r["value"]
         if "generations" in t:
             d.generations = _rows(conn, "SELECT * FROM generations ORDER BY started_at, id")
         if "recycles" in t:

@@ -32,6 +32,20 @@ def _patch_states(d: ledgerread.LedgerData) -> Any:
     return out or None
 
 
+def ledger_label(svc: dict[str, Any], meta: dict[str, Any]) -> str:
+    """GPU name(s), then the watchdog's profile and memory budget when it recorded them: two
+    budgets emulated on one GPU (or two cards of one model) stay apart in `--compare`."""
+    names = svc.get("gpu_names") or meta.get("watchdog.gpu_names") or []
+    parts = [" / ".join(names) if names else ("no GPU" if svc.get("present") else "no runtime data")]
+    profile = meta.get("watchdog.gpu_profile")
+    if profile:
+        parts.append(f"profile {profile}")
+    budget = meta.get("watchdog.gpu_budget_mb")
+    if budget:
+        parts.append(f"{float(budget) / 1024:g} GiB budget")
+    return " · ".join(parts)
+
+
 def build(d: ledgerread.LedgerData, confidence: float = 0.90, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
     svc = service.service(d.generations, d.recycles, d.failures, now, confidence)
@@ -45,9 +59,12 @@ def build(d: ledgerread.LedgerData, confidence: float = 0.90, now: float | None 
                      "list": [{k: i.get(k) for k in ("kind", "cause", "class", "detected_at", "action", "restored_at")}
                               for i in d.incidents]}
     ends = d.requests.get("ended_at", np.array([]))
-    label = " / ".join(svc.get("gpu_names") or ["no GPU"]) if svc.get("present") else "no runtime data"
+    label = ledger_label(svc, d.meta)
     return {
-        "schema": SCHEMA, "generated_at": utcnow(), "ledger": d.path, "label": label, "service": svc,
+        "schema": SCHEMA, "generated_at": utcnow(), "ledger": d.path, "label": label,
+        "profile": {"gpu_profile": d.meta.get("watchdog.gpu_profile"),
+                    "gpu_budget_mb": d.meta.get("watchdog.gpu_budget_mb")},
+        "service": svc,
         "incidents": incidents, "leak": leak,
         "watchdog_samples": {"present": bool(d.samples), "count": len(d.samples or []),
                              "note": "" if d.samples else "no watchdog samples (table absent or empty)"},

@@ -142,3 +142,22 @@ def test_compare_two_ledgers_side_by_side(tmp_path: Path) -> None:
     page = tmp_path / "c.html"
     report("--compare", str(a), str(b), "--format", "html", "--out", str(page))
     assert page.read_text().count('class="plot"') == 6
+
+
+def test_compare_labels_budgets_emulated_on_one_gpu_by_profile(tmp_path: Path) -> None:
+    """Two budgets on one H200 (issue 7): same GPU name, told apart by the watchdog's profile."""
+    from vllm_guard.watchdog.store import WatchdogLedger
+
+    dbs = []
+    for name, profile, mb in (("a", "rtx4090", 24576), ("b", "a100", 81920)):
+        db = tmp_path / f"{name}.sqlite"
+        make_ledger(db, "NVIDIA H200", 0.3)
+        w = WatchdogLedger(db)
+        w.set_meta({"gpu_profile": profile, "gpu_budget_mb": mb, "gpu_names": ["NVIDIA H200"]})
+        w.close()
+        dbs.append(str(db))
+    c = json.loads(report("--compare", *dbs, "--format", "json"))
+    label = next(r for r in c["rows"] if r["figure"] == "label")
+    assert label["a"] == "NVIDIA H200 · profile rtx4090 · 24 GiB budget"
+    assert label["b"] == "NVIDIA H200 · profile a100 · 80 GiB budget"
+    assert c["a"]["profile"] == {"gpu_profile": "rtx4090", "gpu_budget_mb": 24576}

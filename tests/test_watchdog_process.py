@@ -36,6 +36,10 @@ def test_once_json_never_imports_vllm_or_torch(tmp_path: Path) -> None:
     assert doc["sample"]["nvml"]["gpus"][0]["name"] == "NVIDIA GeForce RTX 4090"
     xid = [v for v in doc["verdicts"] if v["name"] == "xid"][0]
     assert xid["health"] == "unhealthy" and xid["suggested_action"] == "restart"
+    # the profile chosen from the NVML name goes into the ledger's meta (what reports label by)
+    meta = dict(sqlite3.connect(tmp_path / "ledger.sqlite").execute("SELECT key, value FROM meta"))
+    assert json.loads(meta["watchdog.gpu_profile"]) == "rtx4090"
+    assert json.loads(meta["watchdog.gpu_names"]) == ["NVIDIA GeForce RTX 4090"]
 
 
 def test_config_error_is_one_line_exit_2(tmp_path: Path) -> None:

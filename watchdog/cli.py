@@ -69,6 +69,7 @@ async def _main(cfg: WatchdogConfig, explicit: set[str], state_dir: str, once: b
     wd = Watchdog(cfg, state_dir, exporter=not once)
     names = [s.get("name") or "" for s in wd.nvml.static]
     profile = apply_profile(cfg, explicit, names[0] if names else "")
+    wd.ledger.set_meta({"gpu_profile": profile, "gpu_budget_mb": cfg.gpu_budget_mb, "gpu_names": names})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -33,6 +33,12 @@ class WatchdogLedger:
     def _iso(self) -> str:
         return L.iso(self.now())
 
+    def set_meta(self, values: dict[str, Any]) -> None:
+        """`watchdog.<key>` rows in `meta` (profile, budget, GPU names): what reports label ledgers by."""
+        rows = [(f"watchdog.{k}", json.dumps(v, default=str)) for k, v in values.items()]
+        with self.conn:
+            self.conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", rows)
+
     # -- samples ---------------------------------------------------------------------------------
     def sample(self, parts: dict[str, Any]) -> None:
         """One row per source (nvml, procs, host, metrics, status) in one transaction."""
