@@ -1,7 +1,8 @@
 """Hooks inside vLLM's engine and worker classes, shared by the audit, idle-release and injector.
 
 Each wrapper adds one Python call on the path it wraps and calls the original unchanged; a
-failing listener is logged and never reaches vLLM. Installed at most once per class (marker
+failing listener is logged and never reaches vLLM, except an exception marked `FATAL` (the
+injector's CUDA OOM), which must fail the engine the way a real leak's OOM does. Installed at most once per class (marker
 attribute), because vLLM may load general plugins more than once in a process.
 """
 
@@ -17,6 +18,7 @@ log = logging.getLogger("vllm.vllm_guard.patches")
 MARK = "_vllm_guard_wrapped"
 PROBE_MARK = "vllm-guard-probe"
 PROBE_MAX_PROMPT_TOKENS = 8
+FATAL = "vllm_guard_fatal"  # attribute on an exception that must reach vLLM (an injected fault)
 
 
 def is_probe(request: Any) -> bool:
@@ -60,7 +62,9 @@ class EngineHooks:
         for fn in listeners:
             try:
                 fn(*args)
-            except Exception:  # noqa: BLE001 - a guard must never break serving
+            except Exception as e:  # noqa: BLE001 - a guard must never break serving
+                if getattr(e, FATAL, False):
+                    raise  # ... unless it is the fault the injector was asked to cause
                 log.exception("vllm-guard listener %s failed", getattr(fn, "__name__", fn))
 
     def finished_request(self, sched: Any, request: Any) -> None:

@@ -13,7 +13,7 @@ import signal
 import threading
 from typing import Any
 
-from .engine import HOOKS, install_init_device_hook, install_scheduler_hooks
+from .engine import FATAL, HOOKS, install_init_device_hook, install_scheduler_hooks
 from .report import Channel
 from .spec import InjectSpec
 
@@ -71,11 +71,22 @@ class Injector:
                             n, self.host_bytes, self.device_bytes)
 
     def _device_leak(self, nbytes: int) -> None:
-        """Retained where the CUDA allocator lives (this process with TP=1); host memory on CPU."""
+        """Retained where the CUDA allocator lives (this process with TP=1); host memory on CPU.
+
+        A CUDA OOM here is the leak's real consequence: it is marked fatal so it propagates out
+        of the scheduler and kills EngineCore, as an OOM inside vLLM's own step would."""
         import torch
 
         if torch.cuda.is_available():
-            t = torch.ones(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+            try:
+                t = torch.ones(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+            except torch.OutOfMemoryError as e:
+                setattr(e, FATAL, True)
+                self.channel.inject({"event": "oom", "n": HOOKS.counted, "device_bytes": self.device_bytes,
+                                     "error": str(e).splitlines()[0][:300]})
+                log.error("vllm-guard injected device leak hit CUDA OOM after %d requests (%d B retained)",
+                          HOOKS.counted, self.device_bytes)
+                raise
         else:
             t = torch.ones(nbytes, dtype=torch.uint8)
         self.device.append(t)

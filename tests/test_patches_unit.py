@@ -280,3 +280,28 @@ def test_bad_settings_in_child_env_are_reported_not_raised(tmp_path: Path) -> No
     assert rep["patches"]["fault-injection"]["state"] == "failed"
     assert "block_leak_every has value 'often'" in rep["patches"]["fault-injection"]["reason"]
 
+
+
+def test_listener_failure_is_swallowed_unless_marked_fatal() -> None:
+    """A guard's bug never reaches vLLM; the injector's CUDA OOM must (it kills EngineCore like a
+    real leak's OOM), so plain vLLM under the cap fails the way the seed describes."""
+    from vllm_guard.patches.engine import FATAL, EngineHooks
+
+    hooks_ = EngineHooks()
+    calls: list[str] = []
+
+    def buggy(*_: object) -> None:
+        calls.append("buggy")
+        raise ValueError("a guard bug")
+
+    def oom(*_: object) -> None:
+        calls.append("oom")
+        e = MemoryError("CUDA out of memory (injected)")
+        setattr(e, FATAL, True)
+        raise e
+
+    hooks_._call([buggy, buggy], None)
+    assert calls == ["buggy", "buggy"]
+    with pytest.raises(MemoryError, match="injected"):
+        hooks_._call([buggy, oom, buggy], None)
+    assert calls == ["buggy", "buggy", "buggy", "oom"]
