@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-BIN = Path(sys.executable).parent
+GUARD = [sys.executable, "-m", "vllm_guard.runtime"]  # no console script needed (the device installs with --target)
 
 
 def free_port() -> int:
@@ -37,7 +37,7 @@ def free_port() -> int:
 def one_rate(url: str, rate: float, seconds: float, tmp: Path) -> dict[str, float]:
     db = tmp / f"rate-{rate:g}.sqlite"
     t0 = time.monotonic()
-    p = subprocess.Popen([str(BIN / "vllm-guard"), "soak", "--url", url, "--db", str(db), "--scenario", "custom",
+    p = subprocess.Popen([*GUARD, "soak", "--url", url, "--db", str(db), "--scenario", "custom",
                           "--prompt-tokens", "8", "--output-tokens", "4", "--rate", str(rate), "--duration", f"{seconds}s",
                           "--no-progress", "--timeout", "30s"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     peak = 0

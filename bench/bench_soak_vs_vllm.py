@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-BIN = Path(sys.executable).parent
+GUARD = [sys.executable, "-m", "vllm_guard.runtime"]  # no console script needed (the device installs with --target)
 VLLM_BENCH = (
     "import sys\n"
     "from vllm.benchmarks.serve import add_cli_args, main\n"
@@ -55,7 +55,7 @@ def start_guard(tmp: Path, model: str, vllm_args: list[str]) -> tuple[subprocess
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     log = open(tmp / "guard.log", "wb")
-    p = subprocess.Popen([str(BIN / "vllm-guard"), "serve", "--model", model, "--port", str(port), "--state-dir",
+    p = subprocess.Popen([*GUARD, "serve", "--model", model, "--port", str(port), "--state-dir",
                           str(tmp / "state"), "--probe-timeout", "120s", "--", *vllm_args], stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 900
@@ -88,7 +88,7 @@ def run_vllm_bench(url: str, model: str, tokenizer: str, a: argparse.Namespace, 
 
 def run_soak(url: str, a: argparse.Namespace, seed: int, tmp: Path) -> dict[str, float]:
     db = tmp / f"soak-{seed}.sqlite"
-    cmd = [str(BIN / "vllm-guard"), "soak", "--url", url, "--db", str(db), "--scenario", "custom",
+    cmd = [*GUARD, "soak", "--url", url, "--db", str(db), "--scenario", "custom",
            "--prompt-tokens", str(a.input_len), "--output-tokens", str(a.output_len),
            "--requests", str(a.num), "--seed", str(seed), "--no-progress", "--duration", "24h"]
     if a.rate != float("inf"):
@@ -137,7 +137,7 @@ def main() -> int:
         else:
             tok = a.tokenizer or str(tmp / "model")
             if not a.tokenizer:
-                subprocess.run([str(BIN / "vllm-guard"), "model", "tiny", tok], check=True, capture_output=True)
+                subprocess.run([*GUARD, "model", "tiny", tok], check=True, capture_output=True)
             guard, url = start_guard(tmp, tok, a.vllm_args.split())
         model = served_model(url)
         run_soak(url, argparse.Namespace(**{**vars(a), "num": 8, "rate": 4.0, "concurrency": None}), 999, tmp)  # warm-up

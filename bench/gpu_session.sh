@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that runs the GPU checks and benchmarks and packs every result into
 # $OUT/results.tar.gz (the device returns at most 8 files). Run through the shared recipe:
-#   bash .gpu/stage/call2.sh bash bench/gpu_session.sh [runtime|budgets|recycle]
+#   bash .gpu/stage/call2.sh bash bench/gpu_session.sh [runtime|budgets|runtime2|benches]
 set -u
 OUT=${OUT:-/tmp/out}
 R=/tmp/results; rm -rf "$R"; mkdir -p "$R"
@@ -23,7 +23,7 @@ if [ "$what" = runtime ]; then
   for i in $(seq 1 60); do pgrep -f gpu_nvml_record >/dev/null || break; sleep 2; done
 fi
 if [ "$what" = budgets ]; then
-  python3 bench/gpu_budgets.py --out "$R/budgets" --duration ${DURATION:-200} > "$R/gpu_budgets.log" 2>&1
+  python3 bench/gpu_budgets.py --out "$R/budgets" --duration ${DURATION:-200} --deadline ${DEADLINE:-450} > "$R/gpu_budgets.log" 2>&1
   echo "budgets rc $?" >> "$R/gpu_budgets.log"
   for p in rtx4090-24g a100-80g; do
     python3 -c "import sqlite3,sys; s=sqlite3.connect(sys.argv[1]); d=sqlite3.connect(sys.argv[2]); s.backup(d)" \
@@ -40,6 +40,24 @@ if [ "$what" = runtime2 ]; then
   echo "pytest rc $?" >> "$R/gpu_tests.log"
   python3 bench/bench_proxy.py synthetic --rounds 10 --requests 1000 --concurrency 16 --max-tokens 16 \
     --out "$R/bench_proxy_synthetic_16c.json" > "$R/bench_proxy_synth.log" 2>&1
+fi
+if [ "$what" = benches ]; then
+  # GPU runs in the background, the soak-client benches in the foreground; every step is bounded
+  # so the call ends inside its 600 s (what overlapped with what is in benches.log)
+  (timeout 470 python3 bench/bench_recycle.py --model /tmp/tiny --recycles 2 --concurrency 8 --out "$R/bench_recycle_compile.json" \
+     -- --max-model-len 1024 --gpu-memory-utilization 0.1 > "$R/bench_recycle_compile.log" 2>&1; echo "recycle rc $?" >> "$R/benches.log") &
+  (timeout 420 python3 bench/bench_patches_gpu.py --model /tmp/tiny --out "$R/patches_gpu.json" > "$R/patches_gpu.log" 2>&1; \
+     echo "patches_gpu rc $?" >> "$R/benches.log") &
+  date -u +"soak_rate start %T" >> "$R/benches.log"
+  timeout 150 python3 bench/bench_soak_rate.py --rates 200,400,800,1200,1600,2400,3200 --seconds 8 \
+    --json "$R/soak_rate.json" > "$R/soak_rate.log" 2>&1; echo "soak_rate rc $?" >> "$R/benches.log"
+  date -u +"soak_vs_vllm start %T" >> "$R/benches.log"
+  timeout 330 python3 bench/bench_soak_vs_vllm.py --pairs 6 --num 200 --rate 20 --tokenizer /tmp/tiny \
+    --vllm-args "--enforce-eager --max-model-len 512 --gpu-memory-utilization 0.1" \
+    --json "$R/soak_vs_vllm.json" > "$R/soak_vs_vllm.log" 2>&1; echo "soak_vs_vllm rc $?" >> "$R/benches.log"
+  wait
+  date -u +"end %T" >> "$R/benches.log"
+  cat "$R/benches.log"
 fi
 cp /tmp/pytest-of-*/pytest-*/gpu*/guard.log "$R/gpu_guard.log" 2>/dev/null
 for f in /tmp/bench-recycle-*/guard.log; do [ -f "$f" ] && cp "$f" "$R/bench_recycle_guard.log"; done
