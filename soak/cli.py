@@ -39,6 +39,9 @@ def add_commands(sub: Any) -> dict[str, Handler]:
     s.add_argument("--fixed-span", action="store_true",
                    help="with --requests N: scale arrivals so the N-th is sent at N/rate (as vllm bench serve)")
     s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--tokenizer", default=None,
+                   help="send prompts as text (these token ids decoded with this tokenizer), so the server "
+                        "tokenizes them as it does real traffic and `vllm bench serve`'s; default: token ids")
     s.add_argument("--timeout", default=None, help="per-request timeout (default 10m)")
     s.add_argument("--model", default=None, help="model name (default: the server's first)")
     s.add_argument("--db", default=None, help="ledger (default: the state dir's)")
@@ -142,7 +145,15 @@ def build_params(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "max_requests": args.requests, "state_dir": state_dir,
         "span_requests": args.requests if args.fixed_span and args.requests else 0,
         "sample_interval_s": parse_duration(c.get("sample_interval", "2s"), "--sample-interval"),
+        "tokenizer": args.tokenizer,
     }
+    if args.tokenizer:
+        from .runner import load_tokenizer
+
+        try:
+            load_tokenizer(args.tokenizer)
+        except Exception as e:  # noqa: BLE001 - any failure to load is a usage error
+            raise _usage(f"--tokenizer {args.tokenizer}: cannot load it ({type(e).__name__}: {e})") from e
     return params, _default_db(c.get("db"), state_dir), shape.note  # type: ignore[return-value]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import signal
 import time
@@ -55,6 +56,29 @@ class Live:
         return sum(self.errors.values())
 
 
+@functools.lru_cache(maxsize=2)
+def load_tokenizer(path: str) -> Any:
+    """Only with `--tokenizer` (text prompts): transformers is imported then, never otherwise."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def text_prompt(tok: Any, ids: list[int], tries: int = 10) -> str:
+    """Text that the tokenizer turns back into len(ids) tokens: decoded ids rarely re-encode to
+    the same count (byte pieces merge or split), so re-encode, cut or pad, decode again, as
+    `vllm bench serve`'s random dataset does."""
+    n, cur = len(ids), list(ids)
+    text = tok.decode(cur)
+    for _ in range(tries):
+        enc = tok.encode(text, add_special_tokens=False)
+        if len(enc) == n:
+            break
+        cur = enc[:n] if len(enc) > n else enc + ids[: n - len(enc)]
+        text = tok.decode(cur)
+    return text
+
+
 class Soak:
     def __init__(self, store: SoakStore, run_id: int, token: str, params: dict[str, Any],
                  progress: bool = True) -> None:
@@ -67,7 +91,13 @@ class Soak:
         self.segment = 0
 
     def _body(self, seq: int) -> dict[str, Any]:
-        return {"model": self.p["model"], "prompt": prompt_ids(self.p["seed"], seq, self.p["prompt_tokens"]),
+        prompt: list[int] | str
+        if self.p.get("tokenizer"):  # ids from the whole vocabulary: word pieces, not byte tokens
+            tok = load_tokenizer(self.p["tokenizer"])
+            prompt = text_prompt(tok, prompt_ids(self.p["seed"], seq, self.p["prompt_tokens"], high=len(tok)))
+        else:
+            prompt = prompt_ids(self.p["seed"], seq, self.p["prompt_tokens"])
+        return {"model": self.p["model"], "prompt": prompt,
                 "max_tokens": self.p["output_tokens"], "stream": True, "ignore_eos": True,
                 "temperature": 0.0, "stream_options": {"include_usage": True}}
 
