@@ -129,3 +129,15 @@ def test_soak_with_leak_and_recycle(guard: GuardServer, tmp_path: Path) -> None:
     subprocess.run([GUARD, "report", "--state-dir", str(guard.state_dir), "--format", "html", "--out", str(html)],
                    check=True, timeout=120)
     assert html.read_text().count('class="plot"') == 2  # memory and latency; no GPU here
+
+
+def test_text_prompts_are_tokenized_to_the_requested_length(guard: GuardServer, tiny_model: str, tmp_path: Path) -> None:
+    """`--tokenizer`: prompts go as text the server tokenizes (like real traffic and `vllm bench
+    serve`), and come back from usage at the requested length (+1 for BOS, +-2 for merges)."""
+    db = tmp_path / "t.sqlite"
+    out = soak("--url", guard.url, "--db", str(db), "--prompt-tokens", "40", "--output-tokens", "4",
+               "--rate", "8", "--requests", "12", "--duration", "1m", "--tokenizer", tiny_model)
+    assert out["failed"] == 0 and out["finished"] == 12
+    with sqlite3.connect(db) as c:
+        counts = [r[0] for r in c.execute("SELECT prompt_tokens FROM requests")]
+    assert len(counts) == 12 and all(39 <= n <= 43 for n in counts), counts
