@@ -174,7 +174,7 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
 
 def test_unloadable_tokenizer_is_one_line_exit_2(upstream_factory: Any, tmp_path: Path) -> None:
     up = upstream_factory()
-    out = subprocess.run(soak_cmd(up.url, tmp_path / "l.sqlite", "--rate", "5", "--requests", "3",
+    out = subprocess.run(soak_cmd(up.url, tmp_path / "l.sqlite", "--output-tokens", "4", "--rate", "5", "--requests", "3",
                                   "--tokenizer", str(tmp_path / "no-such-model")),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--tokenizer" in out.stderr, out.stderr
