@@ -620,7 +620,11 @@ class Supervisor:
             self.memory = {"baseline": baseline, "current": cur, "growth": growth,
                            "warmup_requests": warm}
             self.wake()
-            await asyncio.sleep(self.cfg.recycle.memory_interval)
+            end = time.monotonic() + self.cfg.recycle.memory_interval
+            while (left := end - time.monotonic()) > 0:
+                if baseline is None and t.dispatched >= warm:
+                    break  # take the baseline as warm-up ends, not up to an interval later (a fast leak would hide in it)
+                await asyncio.sleep(min(0.05, left))
 
     def _memory_sample(self, b: Backend) -> dict[str, Any]:
         per = b.memory()
