@@ -16,10 +16,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-# The console script where a venv has it; `python -m vllm_guard.runtime` elsewhere (the GPU box
+# The console script where a venv has it; `python -m vllm_guard.cli` elsewhere (the GPU box
 # installs the project with `pip install --target`).
 GUARD = str(VENV_BIN / "vllm-guard") if (VENV_BIN / "vllm-guard").exists() else None
-GUARD_CMD = [GUARD] if GUARD else [sys.executable, "-m", "vllm_guard.runtime"]
+GUARD_CMD = [GUARD] if GUARD else [sys.executable, "-m", "vllm_guard.cli"]
 # vLLM on 2 CPU cores: small KV cache, eager mode, short context.
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"]
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -11,6 +11,8 @@ import time
 
 import sdnotify
 
+from .sanitize import one_line
+
 # Variables that belong to this process only; the vLLM child must not see them.
 SYSTEMD_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
@@ -42,11 +44,14 @@ class Notifier:
 
     def ready(self, status: str) -> None:
         self.ready_sent = True
+        status = one_line(status, 400)
         self._send(f"READY=1\nSTATUS={status}")
         self._last_status = status
 
     def status(self, line: str) -> None:
-        """Send STATUS= only when it changed (systemctl status shows the latest)."""
+        """Send STATUS= only when it changed (systemctl status shows the latest). The line is
+        flattened: a newline in it would add a field of the caller's choosing to the datagram."""
+        line = one_line(line, 400)
         if line != self._last_status:
             self._last_status = line
             self._send(f"STATUS={line}")

@@ -1,4 +1,7 @@
-"""Live NVML sampler: one JSON-able record per tick, the same schema the replay reads.
+"""NVML: one session for the process, every call on one worker thread with a timeout.
+
+The watchdog samples everything (one JSON-able record per tick, the schema the replay reads);
+the runtime asks two questions (per-process memory, GPU names). Both go through `NvmlSession`.
 
 Every NVML call runs on one worker thread with a timeout: a GPU that fell off the bus can
 block a call for minutes, and the watchdog must keep watching everything else. A call that
@@ -41,7 +44,7 @@ def _err_name(e: BaseException) -> str:
     return type(e).__name__.replace("NVMLError_", "")
 
 
-class NvmlSampler:
+class NvmlSession:
     """Reads every GPU NVML shows; `sample()` returns one trace record (see docs/WATCHDOG.md)."""
 
     def __init__(self, timeout_s: float = 2.0, nvml: Any = None) -> None:
@@ -212,6 +215,23 @@ class NvmlSampler:
             out.append({"xid": int(ev.eventData), "uuid": by_handle.get(id(ev.device), "")})
         return out
 
+    def names(self) -> list[str]:
+        return [str(s["name"]) for s in self.static]
+
+    def process_memory_mb(self) -> dict[int, float]:
+        """Used GPU memory per pid (MiB), summed over GPUs; {} without NVML or on error."""
+        if not self.available:
+            return {}
+        out: dict[int, float] = {}
+        try:
+            for h in self._handles:
+                for p in self._call(self.nv.nvmlDeviceGetComputeRunningProcesses, h):
+                    used = p.usedGpuMemory if isinstance(p.usedGpuMemory, int) else 0
+                    out[int(p.pid)] = out.get(int(p.pid), 0.0) + used / MIB
+        except Exception:  # noqa: BLE001 - a timeout or a lost GPU: what we have so far
+            return out
+        return out
+
     def capability_table(self) -> dict[str, Any]:
         """Which fields each GPU supports (True/False; absent = not tried yet)."""
         return {"driver": self.driver, "cuda_driver": self.cuda_driver, "error": self.error or None,
@@ -232,20 +252,3 @@ class NvmlSampler:
             except Exception:
                 pass
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def visible_uuids(static: list[dict[str, Any]], env: dict[str, str] | None = None) -> list[str]:
-    """UUIDs the service sees. Indices in CUDA_VISIBLE_DEVICES only match NVML's (PCI bus)
-    order when CUDA_DEVICE_ORDER=PCI_BUS_ID; otherwise watch every GPU rather than guess."""
-    env = dict(os.environ) if env is None else env
-    every = [s["uuid"] for s in static]
-    vis = env.get("CUDA_VISIBLE_DEVICES")
-    if not vis:
-        return every
-    items = [x.strip() for x in vis.split(",") if x.strip()]
-    if all(x.startswith(("GPU-", "MIG-")) for x in items):
-        return [u for u in every if any(u.startswith(x) for x in items)]
-    if env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" and all(x.isdigit() for x in items):
-        ordered = sorted(static, key=lambda s: s["pci_bus_id"])
-        return [ordered[int(x)]["uuid"] for x in items if int(x) < len(ordered)]
-    return every

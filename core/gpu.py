@@ -1,0 +1,69 @@
+"""GPU rules that every package must apply the same way: which GPUs the service sees, and
+what counts as throttled.
+
+GPU index: CUDA numbers devices fastest-first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`; NVML
+numbers them by PCI bus. So an index in `CUDA_VISIBLE_DEVICES` names an NVML device only
+under PCI_BUS_ID order; UUIDs always do. When neither holds, watch every GPU rather than
+guess (on a box with mixed cards a guess watches the wrong one).
+
+Throttling (NVML clock-event reasons): the clock is *throttled* when heat or a hardware
+signal holds it down: HW slowdown (0x8), SW thermal (0x20), HW thermal (0x40), HW power
+brake (0x80). The SW power cap (0x4) is reported apart as *power capped*: a card at full
+load normally runs at its power limit, so counting it would call every busy GPU throttled.
+Idle (0x1) is neither.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+GPU_IDLE = 0x1
+SW_POWER_CAP = 0x4
+HW_SLOWDOWN = 0x8
+SW_THERMAL = 0x20
+HW_THERMAL = 0x40
+HW_POWER_BRAKE = 0x80
+
+REASON_NAMES = {GPU_IDLE: "idle", SW_POWER_CAP: "sw_power_cap", HW_SLOWDOWN: "hw_slowdown",
+                SW_THERMAL: "sw_thermal", HW_THERMAL: "hw_thermal", HW_POWER_BRAKE: "hw_power_brake"}
+THERMAL_MASK = HW_SLOWDOWN | SW_THERMAL | HW_THERMAL
+THROTTLE_MASK = THERMAL_MASK | HW_POWER_BRAKE
+POWER_CAP_MASK = SW_POWER_CAP
+
+
+def throttled(reasons: int | None) -> bool:
+    """Held down by heat or a hardware signal (the one definition)."""
+    return bool(reasons) and bool(reasons & THROTTLE_MASK)  # type: ignore[operator]
+
+
+def thermal(reasons: int | None) -> bool:
+    return bool(reasons) and bool(reasons & THERMAL_MASK)  # type: ignore[operator]
+
+
+def power_capped(reasons: int | None) -> bool:
+    return bool(reasons) and bool(reasons & POWER_CAP_MASK)  # type: ignore[operator]
+
+
+def idle(reasons: int | None) -> bool:
+    return bool(reasons) and bool(reasons & GPU_IDLE)  # type: ignore[operator]
+
+
+def reason_names(reasons: int | None) -> list[str]:
+    return [n for b, n in REASON_NAMES.items() if reasons and reasons & b]
+
+
+def visible_uuids(static: Sequence[Mapping[str, Any]], env: Mapping[str, str] | None = None) -> list[str]:
+    """UUIDs of the GPUs a process with `env` sees, given NVML's devices (`uuid`, `pci_bus_id`)."""
+    env = os.environ if env is None else env
+    every = [str(s["uuid"]) for s in static]
+    vis = env.get("CUDA_VISIBLE_DEVICES")
+    if vis is None or vis.strip() == "":
+        return every if vis is None else []
+    items = [x.strip() for x in vis.split(",") if x.strip()]
+    if all(x.startswith(("GPU-", "MIG-")) for x in items):
+        return [u for u in every if any(u.startswith(x) for x in items)]
+    if env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" and all(x.isdigit() for x in items):
+        ordered = sorted(static, key=lambda s: str(s["pci_bus_id"]))
+        return [str(ordered[int(x)]["uuid"]) for x in items if int(x) < len(ordered)]
+    return every

@@ -1,0 +1,364 @@
+"""The ledger: one SQLite file per state dir (WAL), one schema for the whole project.
+
+Each writer owns its tables (`OWNERS`): the runtime writes `generations`, `recycles`,
+`failures`; the watchdog `samples`, `incidents`; the load generator `runs`, `requests` and
+the `soak_*` tables. Everyone may read everything. Times are ISO 8601 UTC text (sortable),
+durations seconds. Columns added after the first release are added to older files on open
+(`_MIGRATIONS`), so a newer guard reads and writes an older ledger.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from .errors import GuardError
+
+LEDGER_NAME = "ledger.sqlite"
+SCHEMA_VERSION = 2
+BUSY_TIMEOUT_S = 5.0
+
+OWNERS: dict[str, str] = {
+    "meta": "everyone (own key prefixes)",
+    "generations": "runtime", "recycles": "runtime", "failures": "runtime",
+    "samples": "watchdog", "incidents": "watchdog",
+    "runs": "loadgen", "requests": "loadgen", "soak_segments": "loadgen", "soak_samples": "loadgen",
+    "soak_status": "loadgen",
+}
+
+
+class EndClass(str, enum.Enum):
+    """How a generation's service ended. Only UNPLANNED counts against MTBF."""
+
+    SCHEDULED = "scheduled"  # count / uptime limits, idle, operator recycles, shutdown
+    PREVENTIVE = "preventive"  # memory growth, forecasts, thermals
+    UNPLANNED = "unplanned"  # crash, hang, OOM, start failure, runtime lost
+
+
+SCHEDULED, PREVENTIVE, UNPLANNED = EndClass.SCHEDULED.value, EndClass.PREVENTIVE.value, EndClass.UNPLANNED.value
+CLASSES = tuple(c.value for c in EndClass)
+
+
+class FailureKind(str, enum.Enum):
+    CRASH = "crash"
+    HANG = "hang"
+    START_FAILED = "start_failed"
+    START_TIMEOUT = "start_timeout"
+    RESTART = "restart"  # an operator's or the watchdog's hard restart
+    RUNTIME_LOST = "runtime_lost"  # the runtime itself died with this generation serving
+
+
+class LedgerError(GuardError):
+    """The file is not a vllm-guard ledger, or cannot be opened."""
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- runtime
+CREATE TABLE IF NOT EXISTS generations (
+    id INTEGER PRIMARY KEY,
+    generation INTEGER NOT NULL,
+    started_at TEXT NOT NULL,
+    ready_at TEXT,
+    ended_at TEXT,
+    end_reason TEXT,
+    end_class TEXT,
+    requests_served INTEGER NOT NULL DEFAULT 0,
+    pid INTEGER,
+    vllm_version TEXT,
+    gpu_name TEXT,
+    model TEXT,
+    host TEXT,
+    boot_id TEXT,
+    pid_started REAL,
+    replica INTEGER NOT NULL DEFAULT 0,
+    strategy TEXT
+);
+CREATE TABLE IF NOT EXISTS recycles (
+    id INTEGER PRIMARY KEY,
+    generation INTEGER NOT NULL,
+    trigger TEXT NOT NULL,
+    class TEXT NOT NULL,
+    started_at TEXT NOT NULL,
+    in_flight INTEGER NOT NULL,
+    queued INTEGER NOT NULL DEFAULT 0,
+    max_queued INTEGER NOT NULL DEFAULT 0,
+    drained_at TEXT,
+    stopped_at TEXT,
+    ready_at TEXT,
+    duration_s REAL,
+    downtime_s REAL,
+    strategy TEXT,
+    replica INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS failures (
+    id INTEGER PRIMARY KEY,
+    generation INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    class TEXT NOT NULL DEFAULT 'unplanned',
+    at TEXT NOT NULL,
+    exit_code INTEGER,
+    detail TEXT,
+    restored_at TEXT
+);
+-- watchdog
+CREATE TABLE IF NOT EXISTS samples (
+    id INTEGER PRIMARY KEY,
+    at TEXT NOT NULL,
+    source TEXT NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS incidents (
+    id INTEGER PRIMARY KEY,
+    kind TEXT NOT NULL,
+    cause TEXT,
+    class TEXT NOT NULL,
+    detected_at TEXT NOT NULL,
+    action TEXT,
+    restored_at TEXT,
+    data TEXT
+);
+-- soak (owned by vllm_guard.soak; times: ISO text, and epoch seconds in REAL *_at columns)
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY,
+    token TEXT NOT NULL UNIQUE,
+    started_at TEXT NOT NULL,
+    ended_at TEXT,
+    status TEXT NOT NULL DEFAULT 'running',
+    url TEXT,
+    scenario TEXT,
+    seed INTEGER,
+    duration_s REAL,
+    note TEXT,
+    params TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS requests (
+    run_id INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    request_id TEXT NOT NULL,
+    segment INTEGER NOT NULL DEFAULT 0,
+    offset_s REAL,
+    scheduled_at REAL,
+    sent_at REAL,
+    ended_at REAL,
+    status INTEGER,
+    ttft_s REAL,
+    ttft_sched_s REAL,
+    e2e_s REAL,
+    e2e_sched_s REAL,
+    itl_mean_s REAL,
+    itl_max_s REAL,
+    chunks INTEGER,
+    prompt_tokens INTEGER,
+    output_tokens INTEGER,
+    generation INTEGER,
+    error TEXT,
+    detail TEXT,
+    PRIMARY KEY (run_id, seq)
+);
+CREATE TABLE IF NOT EXISTS soak_segments (
+    run_id INTEGER NOT NULL,
+    segment INTEGER NOT NULL,
+    started_at TEXT NOT NULL,
+    wall0 REAL NOT NULL,
+    offset0 REAL NOT NULL,
+    first_seq INTEGER NOT NULL,
+    pid INTEGER,
+    ended_at TEXT,
+    PRIMARY KEY (run_id, segment)
+);
+CREATE TABLE IF NOT EXISTS soak_samples (
+    id INTEGER PRIMARY KEY,
+    run_id INTEGER NOT NULL,
+    at TEXT NOT NULL,
+    generation INTEGER,
+    state TEXT,
+    requests_total INTEGER,
+    requests_generation INTEGER,
+    role TEXT,
+    pid INTEGER,
+    rss_mb REAL,
+    uss_mb REAL,
+    gpu_mb REAL,
+    host_available_mb REAL
+);
+CREATE INDEX IF NOT EXISTS soak_samples_at ON soak_samples (run_id, at);
+CREATE TABLE IF NOT EXISTS soak_status (
+    id INTEGER PRIMARY KEY,
+    run_id INTEGER NOT NULL,
+    at TEXT NOT NULL,
+    generation INTEGER,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS samples_at ON samples (at);
+CREATE INDEX IF NOT EXISTS failures_at ON failures (at);
+"""
+
+
+# column -> DDL, per table: what an older ledger lacks gets added on open
+_MIGRATIONS: dict[str, dict[str, str]] = {
+    "generations": {"pid_started": "REAL", "replica": "INTEGER NOT NULL DEFAULT 0", "strategy": "TEXT"},
+    "recycles": {"strategy": "TEXT", "replica": "INTEGER NOT NULL DEFAULT 0"},
+}
+
+
+def db_path(db: str | Path) -> Path:
+    """The ledger file for a state dir or a file path."""
+    p = Path(db)
+    return p / LEDGER_NAME if p.is_dir() else p
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    for table, cols in _MIGRATIONS.items():
+        have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+        for col, ddl in cols.items():
+            if col not in have:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {col} {ddl}")
+    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+
+
+def connect(path: str | Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite3.Connection:
+    """Open (and create) a ledger for writing: WAL, a busy timeout, the full schema."""
+    p = db_path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    created = not p.exists()
+    if created:  # group-writable whatever the umask: runtime, watchdog and soak share the file
+        fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o660)
+        os.close(fd)
+        try:
+            os.chmod(p, 0o660)  # before WAL: SQLite gives -wal/-shm the database's mode
+        except OSError:
+            pass
+    conn = sqlite3.connect(str(p), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+    try:
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        conn.executescript(_SCHEMA)
+        _migrate(conn)
+    except sqlite3.DatabaseError as e:
+        conn.close()
+        raise LedgerError(f"{p} is not a usable vllm-guard ledger: {e}") from e
+    return conn
+
+
+def open_readonly(path: str | Path) -> sqlite3.Connection:
+    """Open an existing ledger read-only (a report never writes or creates one); LedgerError
+    when the file is missing, is not SQLite, or is an SQLite file of something else."""
+    p = db_path(path)
+    if not p.exists():
+        raise LedgerError(f"no ledger at {p}")
+    if p.is_dir():
+        raise LedgerError(f"{p} is a directory, not a ledger")
+    conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True, timeout=30.0)
+    conn.row_factory = sqlite3.Row
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        ok = "meta" in tables and conn.execute(
+            "SELECT 1 FROM meta WHERE key = 'schema_version'").fetchone() is not None
+    except sqlite3.DatabaseError as e:
+        conn.close()
+        raise LedgerError(f"{p} is not a vllm-guard ledger ({e})") from e
+    if not ok:
+        conn.close()
+        raise LedgerError(f"{p} is an SQLite file but not a vllm-guard ledger (no schema_version)")
+    return conn
+
+
+def tables(conn: sqlite3.Connection) -> set[str]:
+    return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def columns(conn: sqlite3.Connection, table: str) -> set[str]:
+    return {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+
+
+# -- typed rows of the runtime's tables (what MTBF and the report read) ----------------------
+@dataclass(frozen=True)
+class GenerationRow:
+    id: int
+    generation: int
+    started_at: str
+    ready_at: str | None
+    ended_at: str | None
+    end_reason: str | None
+    end_class: str | None
+    requests_served: int
+    pid: int | None
+    vllm_version: str | None
+    gpu_name: str | None
+    model: str | None
+    host: str | None
+    boot_id: str | None
+    replica: int = 0
+    strategy: str | None = None
+
+
+@dataclass(frozen=True)
+class RecycleRow:
+    id: int
+    generation: int
+    trigger: str
+    cls: str
+    started_at: str
+    in_flight: int
+    queued: int
+    max_queued: int
+    drained_at: str | None
+    stopped_at: str | None
+    ready_at: str | None
+    duration_s: float | None
+    downtime_s: float | None
+    strategy: str | None = None
+    replica: int = 0
+
+
+@dataclass(frozen=True)
+class FailureRow:
+    id: int
+    generation: int
+    kind: str
+    cls: str
+    at: str
+    exit_code: int | None
+    detail: str | None
+    restored_at: str | None
+
+
+def _typed(cls: type, rows: Iterable[sqlite3.Row], rename: dict[str, str] | None = None) -> list[Any]:
+    names = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    out = []
+    for r in rows:
+        d = {(rename or {}).get(k, k): r[k] for k in r.keys()}
+        out.append(cls(**{k: v for k, v in d.items() if k in names}))
+    return out
+
+
+@dataclass(frozen=True)
+class RuntimeHistory:
+    """The runtime's three tables, in time order."""
+
+    generations: list[GenerationRow]
+    recycles: list[RecycleRow]
+    failures: list[FailureRow]
+
+
+def read_runtime(conn: sqlite3.Connection) -> RuntimeHistory:
+    t = tables(conn)
+    gens = _typed(GenerationRow, conn.execute("SELECT * FROM generations ORDER BY started_at, id")) \
+        if "generations" in t else []
+    recs = _typed(RecycleRow, conn.execute("SELECT * FROM recycles ORDER BY started_at, id"), {"class": "cls"}) \
+        if "recycles" in t else []
+    fails = _typed(FailureRow, conn.execute("SELECT * FROM failures ORDER BY at, id"), {"class": "cls"}) \
+        if "failures" in t else []
+    return RuntimeHistory(gens, recs, fails)
+
+
+def next_generation(conn: sqlite3.Connection) -> int:
+    """Generation numbers continue across runtime processes: one number, one generation."""
+    row = conn.execute("SELECT MAX(generation) FROM generations").fetchone()
+    return int(row[0] or 0) + 1

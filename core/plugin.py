@@ -1,0 +1,180 @@
+"""The contract between the runtime and the vLLM plugin: the child's environment, and the
+per-process report files the plugin writes and the runtime reads.
+
+Environment of each vLLM generation: VLLM_PLUGINS keeps the user's list and adds ours;
+VLLM_GUARD_STATE_DIR / VLLM_GUARD_GENERATION say where to report; VLLM_GUARD_INJECT and
+VLLM_GUARD_PATCHES carry `[inject]` and `[patches]` as `key=value,...` (a plain `vllm serve`
+can be driven the same way); allocator settings where they are safe.
+
+Report files under the state dir, one folder per generation so a recycle never mixes them:
+  patches/gen-<N>/<pid>.json    one per vLLM process, rewritten atomically (tmp + rename)
+  patches/gen-<N>/events.jsonl  patch events (orphans reclaimed, idle releases)
+  patches/gen-<N>/inject.jsonl  what the fault injector did (tests compare guards against it)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .config import ConfigError, GuardConfig, InjectConfig, PatchesConfig, format_kv, parse_kv, section_from_table
+from .errors import ProtocolError
+from .protocol import PatchEvents, PatchProcessReport, decode
+from .vllm_api import arg_value
+
+PLUGIN_NAME = "vllm_guard"
+STATE_DIR_VAR = "VLLM_GUARD_STATE_DIR"
+GENERATION_VAR = "VLLM_GUARD_GENERATION"
+INJECT_VAR = "VLLM_GUARD_INJECT"
+PATCHES_VAR = "VLLM_GUARD_PATCHES"
+ALLOC_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_VALUE = "expandable_segments:True"
+NOTE_VAR = "VLLM_GUARD_ALLOC_NOTE"  # why the allocator setting was (not) applied; the plugin reports it
+EVENTS = "events.jsonl"
+INJECT = "inject.jsonl"
+
+
+def tensor_parallel_size(vllm_args: Sequence[str]) -> int:
+    value = arg_value(vllm_args, "--tensor-parallel-size") or arg_value(vllm_args, "-tp")
+    try:
+        return int(value) if value is not None else 1
+    except ValueError as e:
+        raise ConfigError(f"vLLM arg --tensor-parallel-size has value {value!r}: not an integer") from e
+
+
+def alloc_conflict(vllm_args: Sequence[str]) -> str | None:
+    """Why expandable segments must stay off for these vLLM args, or None."""
+    if "--enable-sleep-mode" in vllm_args:
+        return "sleep mode (--enable-sleep-mode) uses its own CUDA memory pool"
+    if tensor_parallel_size(vllm_args) > 1 and "--disable-custom-all-reduce" not in vllm_args:
+        return "tensor parallel with custom all-reduce (vLLM #14189, #43923)"
+    return None
+
+
+def plugins_value(current: str | None) -> str | None:
+    """Keep the user's VLLM_PLUGINS and add ours; unset stays unset (vLLM then loads all)."""
+    if current is None:
+        return None
+    names = [n.strip() for n in current.split(",") if n.strip()]
+    if PLUGIN_NAME not in names:
+        names.append(PLUGIN_NAME)
+    return ",".join(names)
+
+
+def child_env(env: Mapping[str, str], cfg: GuardConfig, vllm_args: Sequence[str]) -> dict[str, str]:
+    """The env of one vLLM generation: plugin enabled, allocator settings, injection."""
+    out = dict(env)
+    settings = cfg.patches
+    plugins = plugins_value(out.get("VLLM_PLUGINS"))
+    if plugins is not None:
+        out["VLLM_PLUGINS"] = plugins
+    if ALLOC_VAR in out:
+        out[NOTE_VAR] = f"user set {ALLOC_VAR}={out[ALLOC_VAR]}"
+    elif not settings.enabled or not settings.expandable_segments:
+        out[NOTE_VAR] = "off in [patches]"
+    elif (why := alloc_conflict(vllm_args)) is not None:
+        out[NOTE_VAR] = f"not set: {why}"
+    else:
+        out[ALLOC_VAR] = ALLOC_VALUE
+        out[NOTE_VAR] = f"set {ALLOC_VAR}={ALLOC_VALUE}"
+    if settings.enabled and settings.malloc_arena_max and "MALLOC_ARENA_MAX" not in out:
+        out["MALLOC_ARENA_MAX"] = str(settings.malloc_arena_max)
+    if INJECT_VAR not in out and cfg.inject.active:
+        out[INJECT_VAR] = format_kv(cfg.inject.active)
+    explicit = cfg.explicit.get("patches", set())
+    if PATCHES_VAR not in out and explicit:
+        from .config import section_table
+
+        table = section_table(settings)
+        out[PATCHES_VAR] = format_kv({k: v for k, v in table.items() if k in explicit})
+    return out
+
+
+def settings_from_env(env: Mapping[str, str]) -> tuple[InjectConfig, PatchesConfig]:
+    """What a vLLM process reads at plugin load; ConfigError names the bad entry."""
+    inject = section_from_table("inject", parse_kv(env.get(INJECT_VAR, ""), "inject"), text=True)
+    patches = section_from_table("patches", parse_kv(env.get(PATCHES_VAR, ""), "patches"), text=True)
+    return inject, patches
+
+
+# -- report files -----------------------------------------------------------------------------
+def gen_dir(state_dir: str | Path, generation: int) -> Path:
+    return Path(state_dir) / "patches" / f"gen-{int(generation)}"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete line; a torn last line (process killed mid-write) is skipped."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def summarize_events(records: list[dict[str, Any]]) -> PatchEvents:
+    """Totals for status: orphans reclaimed, idle releases and bytes."""
+    reclaimed = [r for r in records if r.get("event") == "orphans_reclaimed"]
+    releases = [r for r in records if r.get("event") == "idle_release"]
+    return PatchEvents(
+        orphan_events=len(reclaimed),
+        orphan_blocks_reclaimed=sum(len(r.get("block_ids", [])) for r in reclaimed),
+        idle_releases=len(releases),
+        idle_released_bytes=sum(int(r.get("released_bytes", 0)) for r in releases),
+    )
+
+
+def read_states(state_dir: str | Path, generation: int) -> dict[str, PatchProcessReport]:
+    """{pid: report} for one generation's processes; dead processes are marked, not dropped.
+    A report that does not match the schema is left out (the plugin is of another version)."""
+    d = gen_dir(state_dir, generation)
+    if not d.is_dir():
+        return {}
+    by_pid: dict[str, list[dict[str, Any]]] = {}
+    for r in read_jsonl(d / EVENTS):
+        by_pid.setdefault(str(r.get("pid")), []).append(r)
+    out: dict[str, PatchProcessReport] = {}
+    for p in sorted(d.glob("*.json")):
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        pid = p.stem
+        if not isinstance(data, dict):
+            continue
+        data["alive"] = pid.isdigit() and _alive(int(pid))
+        if pid in by_pid:
+            data["events"] = summarize_events(by_pid[pid]).model_dump()
+        try:
+            out[pid] = decode(PatchProcessReport, data)
+        except ProtocolError:
+            continue
+    return out
+
+
+def injected(state_dir: str | Path, generation: int) -> list[dict[str, Any]]:
+    """What the fault injector did in that generation (its own channel)."""
+    return read_jsonl(gen_dir(state_dir, generation) / INJECT)
+
+
+def events(state_dir: str | Path, generation: int) -> list[dict[str, Any]]:
+    return read_jsonl(gen_dir(state_dir, generation) / EVENTS)

@@ -1,0 +1,122 @@
+"""The watchdog's sample records: what it writes to the ledger's `samples` table (one row
+per source per tick, JSON in `data`) and what NVML trace files hold. The report, the replay
+and the exporter read them through these models.
+
+Readers ignore fields they do not know (a newer watchdog may add some) but every field they
+rely on is required, so a renamed one fails loudly (ProtocolError) instead of reading as
+absent. `SAMPLES_SCHEMA` is recorded in the ledger's meta table and in each trace's meta line.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .protocol import Role
+
+SAMPLES_SCHEMA = 1
+NVML_SCHEMA = 1
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class GpuProcess(_Record):
+    pid: int
+    used_mb: float | None
+
+
+class RemappedRows(_Record):
+    correctable: int
+    uncorrectable: int
+    pending: bool
+    failure: bool
+
+
+class GpuReading(_Record):
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str = ""
+    temp_slowdown_c: float | None = None
+    temp_shutdown_c: float | None = None
+    sm_clock_max_mhz: float | None = None
+    mem_used_mb: float | None = None
+    mem_total_mb: float | None = None
+    processes: list[GpuProcess] = Field(default_factory=list)
+    temp_c: float | None = None
+    sm_clock_mhz: float | None = None
+    clock_reasons: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    util_pct: float | None = None
+    ecc_uncorrected: int | None = None
+    remapped_rows: RemappedRows | None = None
+    persistence: int | None = None
+
+
+class XidEvent(_Record):
+    xid: int
+    uuid: str = ""
+
+
+class NvmlRecord(_Record):
+    """One NVML reading of every GPU (`kind` sample), as the live session and the replay give it."""
+
+    kind: Literal["sample"] = "sample"
+    at_s: float
+    driver: str = ""
+    cuda_driver: str = ""
+    gpus: list[GpuReading] = Field(default_factory=list)
+    xids: list[XidEvent] = Field(default_factory=list)
+    error: str | None = None
+    label: str | None = None
+
+
+class ProcReading(_Record):
+    role: Role
+    rss_mb: float
+    swap_mb: float | None = None
+    uss_mb: float | None = None
+
+
+class HostReading(_Record):
+    mem_total_mb: float
+    mem_available_mb: float
+    swap_used_mb: float
+    boot_id: str = ""
+
+
+class StatusBrief(_Record):
+    """The runtime's counters at the tick (from its StatusSnapshot)."""
+
+    state: str
+    generation: int
+    requests_total: int
+    requests_generation: int
+    in_flight: int
+    queued: int
+    failures: int
+    hold: str | None = None
+    backend_url: str | None = None
+    completed: int = 0
+    failed: int = 0
+    client_disconnects: int = 0
+
+
+class Tick(_Record):
+    """One watchdog tick as read back from the ledger (every source optional)."""
+
+    at: str
+    nvml: NvmlRecord | None = None
+    procs: dict[str, ProcReading] | None = None
+    host: HostReading | None = None
+    metrics: dict[str, float | None] | None = None
+    status: StatusBrief | None = None
+    verdicts: dict[str, str] | None = None
+
+    @classmethod
+    def from_sources(cls, at: str, sources: dict[str, Any]) -> Tick:
+        return cls.model_validate({"at": at, **sources})

@@ -1,0 +1,157 @@
+"""The vLLM OpenAI server as every guard process speaks to it: health, probe, metrics.
+
+One probe rule for the runtime and the watchdog: a real 1-token completion, with the
+server's API key and an `X-Request-Id` that starts with PROBE_ID_PREFIX (the plugin and the
+injector know probes by it, so probes never count toward limits or injected faults). One
+progress rule: the engine moved if its prompt+generation token counters grew.
+`/health` alone proves nothing: it says 200 while the engine is hung (vLLM #36451).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:
+    import aiohttp
+
+PROBE_ID_PREFIX = "vllm-guard-probe-"
+API_KEY_ENV = "VLLM_API_KEY"
+
+
+def arg_value(args: Sequence[str], flag: str) -> str | None:
+    """Value of `flag` in a vLLM argument list (`--flag v` or `--flag=v`), last one wins."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def api_key(vllm_args: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The key vLLM will demand: `--api-key`, else `VLLM_API_KEY` in the server's env."""
+    return arg_value(vllm_args, "--api-key") or env.get(API_KEY_ENV) or None
+
+
+def served_model_name(vllm_args: Sequence[str], model: str) -> str:
+    name = arg_value(vllm_args, "--served-model-name")
+    return name.split(",")[0].strip() if name else model
+
+
+def auth_headers(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    latency_s: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """The vLLM series the guard reads, summed over labels (model, finished_reason...)."""
+
+    generation_tokens: float = 0.0
+    prompt_tokens: float = 0.0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_cache_usage: float | None = None
+    preemptions: float = 0.0
+    request_success: float = 0.0
+
+    @property
+    def tokens(self) -> float:
+        return self.generation_tokens + self.prompt_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_WANTED = {
+    "vllm:generation_tokens": "generation_tokens",
+    "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:num_preemptions": "preemptions",
+    "vllm:request_success": "request_success",
+}
+_PREFIXES = tuple(_WANTED)
+
+
+def parse_metrics(text: str) -> EngineMetrics:
+    """The wanted series from a /metrics page (pure). Only their lines reach the parser:
+    vLLM's page is mostly histograms nobody here reads."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    keep = "\n".join(ln for ln in text.splitlines()
+                     if ln.startswith(_PREFIXES) or (ln.startswith("# ") and any(p in ln for p in _WANTED)))
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(keep + "\n"):
+        key = _WANTED.get(fam.name)
+        if key is None:
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_created"):
+                continue
+            out[key] = out.get(key, 0.0) + float(s.value)
+    return EngineMetrics(**out)
+
+
+def progressed(before: EngineMetrics | None, after: EngineMetrics | None) -> bool | None:
+    """Did the engine process any token between two scrapes? None when either is unknown."""
+    if before is None or after is None:
+        return None
+    return after.tokens > before.tokens
+
+
+async def health(session: aiohttp.ClientSession, url: str, timeout: float = 5.0) -> bool:
+    import aiohttp
+
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
+async def probe(session: aiohttp.ClientSession, url: str, model: str, key: str | None, prompt: str = "ping",
+                timeout: float = 20.0) -> ProbeResult:
+    """A real 1-token completion; the only proof that the engine still works."""
+    import aiohttp
+
+    t0 = time.monotonic()
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    headers = {**auth_headers(key), "X-Request-Id": f"{PROBE_ID_PREFIX}{uuid.uuid4().hex}"}
+    try:
+        async with session.post(url + "/v1/completions", json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            text = await r.text()
+            if r.status != 200:
+                return ProbeResult(False, time.monotonic() - t0, f"HTTP {r.status}: {text[:200]}")
+            return ProbeResult(True, time.monotonic() - t0)
+    except asyncio.TimeoutError:
+        return ProbeResult(False, time.monotonic() - t0, f"timeout after {timeout:.1f}s")
+    except (aiohttp.ClientError, OSError) as e:
+        return ProbeResult(False, time.monotonic() - t0, f"{type(e).__name__}: {e}")
+
+
+async def metrics(session: aiohttp.ClientSession, url: str, timeout: float = 5.0) -> EngineMetrics | None:
+    """Engine counters from /metrics; None when the scrape fails."""
+    import aiohttp
+
+    try:
+        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status != 200:
+                return None
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return None
+    return parse_metrics(text)
