@@ -12,6 +12,7 @@ A field's constraints sit in its metadata (`min`, `max`, `gt`, `choices`, `patte
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import sys
@@ -67,8 +68,9 @@ def format_duration(seconds: float) -> str:
 
 def _f(default: Any, **meta: Any) -> Any:
     """A field with constraints in its metadata (lists and dicts get a factory)."""
-    if isinstance(default, (list, dict, tuple)) and not isinstance(default, tuple):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    if isinstance(default, (list, dict)):
+        copy: Callable[[], Any] = functools.partial(type(default), default)
+        return field(default_factory=copy, metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -442,7 +444,7 @@ def set_value(cfg: GuardConfig, section: str, key: str, value: Any) -> None:
     """Set one key, validated; used by the file loader and by CLI flags alike."""
     value = coerce(section, key, value)
     obj = getattr(cfg, section)
-    if dataclasses.is_dataclass(obj) and obj.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+    if getattr(type(obj), "__dataclass_params__").frozen:
         setattr(cfg, section, dataclasses.replace(obj, **{key: value}))
     else:
         setattr(obj, key, value)

@@ -12,6 +12,7 @@ made again. NVML absent is a state (`available` False, one `error` line), not an
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import os
 import time
 from typing import Any, Callable
@@ -19,7 +20,7 @@ from typing import Any, Callable
 try:
     import pynvml
 except ImportError:  # pragma: no cover - base dependency
-    pynvml = None  # type: ignore[assignment]
+    pynvml = None
 
 SCHEMA = 1  # bump when a field changes meaning; the replay checks it
 MIB = 2**20
@@ -130,10 +131,13 @@ class NvmlSession:
             return None
         any_ok = False
         for s, h in zip(self.static, self._handles):
-            ok = self._field(s["uuid"], "xid_events", lambda h=h: self._call(
-                nv.nvmlDeviceRegisterEvents, h, nv.nvmlEventTypeXidCriticalError, es) or True)
+            ok = self._field(s["uuid"], "xid_events", functools.partial(self._register_one, h, es))
             any_ok = any_ok or bool(ok)
         return es if any_ok else None
+
+    def _register_one(self, h: Any, es: Any) -> bool:
+        self._call(self.nv.nvmlDeviceRegisterEvents, h, self.nv.nvmlEventTypeXidCriticalError, es)
+        return True
 
     def _field(self, uuid: str, name: str, read: Callable[[], Any]) -> Any:
         """Read one field; NOT_SUPPORTED is remembered and the call never made again."""

@@ -168,7 +168,7 @@ class LedgerHealth(_Model):
 
 
 class StatusSnapshot(_Model):
-    schema_: Literal["vllm-guard-status/2"] = Field(SCHEMA, alias="schema")
+    schema_: Literal["vllm-guard-status/2"] = Field("vllm-guard-status/2", alias="schema")
     state: RuntimeState
     state_for_s: float
     generation: int

@@ -151,12 +151,12 @@ def service_figures(h: RuntimeHistory, now: float, confidence: float = 0.90) -> 
     if not gens:
         return ServiceFigures(False, "no generations in this ledger (the runtime did not write here)")
     fail_by_row: dict[int, FailureRow] = {}
-    for f in h.failures:
-        if f.cls != UNPLANNED:
+    for row in h.failures:
+        if row.cls != UNPLANNED:
             continue
-        owner = _failure_owner(f, gens)
+        owner = _failure_owner(row, gens)
         if owner is not None:
-            fail_by_row.setdefault(owner, f)
+            fail_by_row.setdefault(owner, row)
     up_s = planned_down = unplanned_down = 0.0
     reboots: list[dict[str, Any]] = []
     events: dict[int, dict[str, Any]] = {}
@@ -174,7 +174,7 @@ def service_figures(h: RuntimeHistory, now: float, confidence: float = 0.90) -> 
         end = max(end, stop)
         unplanned = g.end_class == UNPLANNED or i in fail_by_row
         if unplanned:
-            f = fail_by_row.get(i)
+            f: FailureRow | None = fail_by_row.get(i)
             events[i] = {"generation": g.generation, "kind": (f.kind if f else None) or g.end_reason or "unplanned",
                          "at": (f.at if f else None) or g.ended_at, "restored_at": f.restored_at if f else None,
                          "detail": f.detail if f else None, "exit_code": f.exit_code if f else None}
