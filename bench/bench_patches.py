@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 
 BIN = Path(sys.executable).parent
-GUARD = [str(BIN / "vllm-guard")] if (BIN / "vllm-guard").exists() else [sys.executable, "-m", "vllm_guard.runtime"]
+GUARD = [str(BIN / "vllm-guard")] if (BIN / "vllm-guard").exists() else [sys.executable, "-m", "vllm_guard.cli"]
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"]
 WORDS = "alpha beta gamma delta river stone cloud light north paper green seven".split()
 

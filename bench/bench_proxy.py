@@ -58,8 +58,8 @@ def serve_upstream(port: int, chunks: int) -> None:
 
 
 def serve_proxy(port: int, upstream: str) -> None:
-    from vllm_guard.runtime import logsetup
-    from vllm_guard.runtime.config import ServerConfig
+    from vllm_guard.core import logsetup
+    from vllm_guard.core.config import ServerConfig
     from vllm_guard.runtime.proxy import Proxy, Target
 
     logsetup.configure("info")  # as `serve` does: JSON access events, one per request
@@ -165,7 +165,7 @@ def spawn_guard(vllm_args: list[str]) -> tuple[subprocess.Popen, str]:
     sd = tempfile.mkdtemp(prefix="bench-proxy-")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cmd = [sys.executable, "-m", "vllm_guard.runtime", "serve", "--port", str(free_port()), "--state-dir", sd,
+    cmd = [sys.executable, "-m", "vllm_guard.cli", "serve", "--port", str(free_port()), "--state-dir", sd,
            "--probe-interval", "60s", "--", *(vllm_args or ["--enforce-eager", "--max-model-len", "512"])]
     proc = subprocess.Popen(cmd, stdout=open(Path(sd) / "guard.log", "ab"), stderr=subprocess.STDOUT, env=env)
     end = time.monotonic() + 900

@@ -34,7 +34,7 @@ from loadclient import RunResult, one_request  # noqa: E402
 
 from vllm_guard.runtime import admin  # noqa: E402
 from vllm_guard.runtime.backend import free_port  # noqa: E402
-from vllm_guard.runtime.ledger import parse_iso  # noqa: E402
+from vllm_guard.core.timefmt import parse_iso  # noqa: E402
 
 
 def status(sd: Path) -> dict:
@@ -103,7 +103,7 @@ def main() -> None:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cmd = [sys.executable, "-m", "vllm_guard.runtime", "serve", "--port", str(port), "--state-dir", str(sd),
+    cmd = [sys.executable, "-m", "vllm_guard.cli", "serve", "--port", str(port), "--state-dir", str(sd),
            *(["--model", a.model] if a.model else []), "--", *vllm_args]
     with open(sd / "guard.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

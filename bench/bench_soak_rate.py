@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-GUARD = [sys.executable, "-m", "vllm_guard.runtime"]  # no console script needed (the device installs with --target)
+GUARD = [sys.executable, "-m", "vllm_guard.cli"]  # no console script needed (the device installs with --target)
 
 
 def free_port() -> int:

@@ -158,7 +158,7 @@ def measure_live(model: str, seconds: float, rate: float, tmp: Path) -> dict[str
 def min_span(series: list[tuple[float, dict[str, Any]]], warmup: float = 100, floor: float = 4.0) -> dict[str, Any]:
     """On the real EngineCore RSS series: the fewest requests after warm-up whose points give a
     significant slope (whole window and both halves clear the floor) within +-20 % of the seed."""
-    from vllm_guard.watchdog.stats import theil_sen
+    from vllm_guard.core.stats import theil_sen
 
     pts = [(r, m["rss_mb"]) for r, procs in series for m in procs.values() if m["role"] == "engine_core"]
     if not pts:

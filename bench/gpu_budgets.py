@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 PY = sys.executable
-GUARD = [PY, "-m", "vllm_guard.runtime"]
+GUARD = [PY, "-m", "vllm_guard.cli"]
 PROFILES = [("rtx4090-24g", 24, "rtx4090"), ("a100-80g", 80, "a100")]
 
 

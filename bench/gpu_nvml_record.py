@@ -132,7 +132,7 @@ def main() -> int:
         ap.error("--out is required")
 
     import pynvml as nv
-    from vllm_guard.watchdog.nvml import NvmlSampler
+    from vllm_guard.core.nvml import NvmlSession as NvmlSampler
     from vllm_guard.watchdog.trace import TraceWriter
 
     sampler = NvmlSampler(timeout_s=5.0)

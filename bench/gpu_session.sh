@@ -12,7 +12,7 @@ what=${1:-runtime}
   python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; nproc; } > "$R/env.txt" 2>&1
 GPU_ARGS="--enforce-eager --max-model-len 1024 --gpu-memory-utilization 0.15"
 if [ "$what" = runtime ]; then
-  python3 -m vllm_guard.runtime patches list --json > "$R/patches_list_0.25.1.json" 2> "$R/patches_list.err"
+  python3 -m vllm_guard.cli patches list --json > "$R/patches_list_0.25.1.json" 2> "$R/patches_list.err"
   [ -f bench/gpu_nvml_record.py ] && (python3 bench/gpu_nvml_record.py --out "$R/nvml_h200.jsonl" > "$R/nvml_record.log" 2>&1 &)
   (python3 bench/bench_recycle.py --recycles 2 --concurrency 8 --out "$R/bench_recycle_gpu.json" -- $GPU_ARGS > "$R/bench_recycle.log" 2>&1; echo "rc $?" >> "$R/bench_recycle.log") &
   python3 -m pytest tests/gpu -x -v -p no:cacheprovider -k "runtime or nvml" > "$R/gpu_tests.log" 2>&1; echo "pytest rc $?" >> "$R/gpu_tests.log"
@@ -29,8 +29,8 @@ if [ "$what" = budgets ]; then
     python3 -c "import sqlite3,sys; s=sqlite3.connect(sys.argv[1]); d=sqlite3.connect(sys.argv[2]); s.backup(d)" \
       "$R/budgets/$p/state/ledger.sqlite" "$R/$p.sqlite"
   done
-  python3 -m vllm_guard.runtime report --compare "$R/rtx4090-24g.sqlite" "$R/a100-80g.sqlite" --format html --out "$R/compare.html" >> "$R/gpu_budgets.log" 2>&1
-  python3 -m vllm_guard.runtime report --compare "$R/rtx4090-24g.sqlite" "$R/a100-80g.sqlite" --format json --out "$R/compare.json" >> "$R/gpu_budgets.log" 2>&1
+  python3 -m vllm_guard.cli report --compare "$R/rtx4090-24g.sqlite" "$R/a100-80g.sqlite" --format html --out "$R/compare.html" >> "$R/gpu_budgets.log" 2>&1
+  python3 -m vllm_guard.cli report --compare "$R/rtx4090-24g.sqlite" "$R/a100-80g.sqlite" --format json --out "$R/compare.json" >> "$R/gpu_budgets.log" 2>&1
   tail -n 200 "$R/budgets/plain-24g/vllm.log" > "$R/plain_vllm_tail.log" 2>/dev/null
 fi
 if [ "$what" = runtime2 ]; then
