@@ -47,14 +47,17 @@ T = TypeVar("T")
 
 
 class Watchdog:
-    """`env` is the service's environment (GPU selection); `api_key` what its vLLM demands."""
+    """`env` is the service's environment (GPU selection); `api_key` what its vLLM demands;
+    `nvml` a source to use instead of the live session or the configured trace."""
 
     def __init__(self, cfg: WatchdogConfig, state_dir: str | Path, exporter: bool = True,
-                 env: Mapping[str, str] | None = None, api_key: str | None = None) -> None:
+                 env: Mapping[str, str] | None = None, api_key: str | None = None,
+                 nvml: NvmlSource | None = None) -> None:
         self.cfg = cfg
         self.state_dir = Path(state_dir)
         self.api_key = api_key
-        self.nvml: NvmlSource = ReplayNvml(cfg.nvml_trace) if cfg.nvml_trace else NvmlSession(cfg.nvml_timeout)
+        self.nvml: NvmlSource = nvml if nvml is not None else \
+            ReplayNvml(cfg.nvml_trace) if cfg.nvml_trace else NvmlSession(cfg.nvml_timeout)
         if not self.nvml.available:
             log.warning("nvml_unavailable", error=self.nvml.error)
         self.visible = set(gpu.visible_uuids(self.nvml.static, env))  # the GPUs the service sees
