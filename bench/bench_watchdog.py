@@ -158,7 +158,7 @@ def measure_live(model: str, seconds: float, rate: float, tmp: Path) -> dict[str
 def min_span(series: list[tuple[float, dict[str, Any]]], warmup: float = 100, floor: float = 4.0) -> dict[str, Any]:
     """On the real EngineCore RSS series: the fewest requests after warm-up whose points give a
     significant slope (whole window and both halves clear the floor) within +-20 % of the seed."""
-    from vllm_guard.watchdog.stats import theil_sen
+    from vllm_guard.core.stats import theil_sen
 
     pts = [(r, m["rss_mb"]) for r, procs in series for m in procs.values() if m["role"] == "engine_core"]
     if not pts:
@@ -180,15 +180,22 @@ def min_span(series: list[tuple[float, dict[str, Any]]], warmup: float = 100, fl
 
 
 def ledger_growth(rows: dict[str, Any], tmp: Path, hours: int = 48) -> dict[str, Any]:
+    from vllm_guard.core.samples import Tick
+    from vllm_guard.core.vllm_api import EngineMetrics
     from vllm_guard.watchdog.store import WatchdogLedger
 
+    tick = Tick.from_sources("", rows)  # the rows as typed records, as the watchdog writes them
+    typed = {"nvml": tick.nvml, "host": tick.host, "status": tick.status, "verdicts": tick.verdicts,
+             "procs": {int(pid): p for pid, p in tick.procs.items()} if tick.procs else None,
+             "metrics": EngineMetrics(**{k: v for k, v in tick.metrics.items() if v is not None})
+             if tick.metrics else None}
     now = [dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)]
     path = tmp / "sim" / "ledger.sqlite"
     lg = WatchdogLedger(path, now=lambda: now[0])
     sizes = {}
     t0 = time.monotonic()
     for sec in range(1, hours * 3600 + 1):
-        lg.sample(rows)
+        lg.sample(**typed)
         now[0] += dt.timedelta(seconds=1)
         if sec % 300 == 0:
             lg.compact()

@@ -5,7 +5,7 @@ Per process (vLLM preallocates KV, so totals stay flat: look per pid) and per me
 requests; a slope counts only when its confidence interval clears the noise floor, in the
 whole window and in each half of it (a step is not a leak); then
 time-to-OOM = headroom / slope in time, and a forecast inside the horizon asks for a
-preventive recycle. Requests are the runtime's `requests_total`, which never counts probes.
+preventive recycle. Requests are the runtime's `requests.total` (status), which never counts probes.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class FailureFeed:
 
     def update(self, st: StatusSnapshot) -> NewFailures:
         """What is new since the last call (nothing on the first: that is the baseline)."""
-        window = list(st.recent_failures)
+        window = sorted(st.recent_failures, key=lambda f: (f.at, f.generation))  # whatever order it came in
         unseen = [f for f in window if failure_key(f) not in self.seen]
         if self.total is None:
             new, missed = [], 0

@@ -62,7 +62,7 @@ class HangDetector:
         last = self.last_probe  # a probe lands in one tick; its verdict holds until the next one
         if last is not None and not last.ok:
             why = "timed out, but the engine progresses" if last.timed_out and not self.misses else \
-                f"{self.misses} timed out in a row" if last.timed_out else "answered but failed (not a hang)"
+                f"{self.misses} timed out in a row" if last.timed_out else "failed without timing out (not a hang)"
             return result(self.name, s, Health.DEGRADED, f"probe {why}: {last.error}", data=data)
         return result(self.name, s, Health.HEALTHY, "probe answers or engine progresses", data=data)
 
