@@ -89,6 +89,9 @@ class Watchdog:
             value = await asyncio.wait_for(work, timeout)
             done[name] = Collected(True, round(time.monotonic() - t0, 4))
             return value
+        except asyncio.TimeoutError:
+            done[name] = Collected(False, round(time.monotonic() - t0, 4), f"no answer in {timeout:g}s")
+            return None
         except Exception as e:  # one collector's failure is data, not a crash: recorded, exported
             done[name] = Collected(False, round(time.monotonic() - t0, 4), f"{type(e).__name__}: {e}")
             return None
