@@ -180,15 +180,22 @@ def min_span(series: list[tuple[float, dict[str, Any]]], warmup: float = 100, fl
 
 
 def ledger_growth(rows: dict[str, Any], tmp: Path, hours: int = 48) -> dict[str, Any]:
+    from vllm_guard.core.samples import Tick
+    from vllm_guard.core.vllm_api import EngineMetrics
     from vllm_guard.watchdog.store import WatchdogLedger
 
+    tick = Tick.from_sources("", rows)  # the rows as typed records, as the watchdog writes them
+    typed = {"nvml": tick.nvml, "host": tick.host, "status": tick.status, "verdicts": tick.verdicts,
+             "procs": {int(pid): p for pid, p in tick.procs.items()} if tick.procs else None,
+             "metrics": EngineMetrics(**{k: v for k, v in tick.metrics.items() if v is not None})
+             if tick.metrics else None}
     now = [dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)]
     path = tmp / "sim" / "ledger.sqlite"
     lg = WatchdogLedger(path, now=lambda: now[0])
     sizes = {}
     t0 = time.monotonic()
     for sec in range(1, hours * 3600 + 1):
-        lg.sample(rows)
+        lg.sample(**typed)
         now[0] += dt.timedelta(seconds=1)
         if sec % 300 == 0:
             lg.compact()

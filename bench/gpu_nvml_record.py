@@ -132,10 +132,10 @@ def main() -> int:
         ap.error("--out is required")
 
     import pynvml as nv
-    from vllm_guard.core.nvml import NvmlSession as NvmlSampler
+    from vllm_guard.core.nvml import NvmlSession
     from vllm_guard.watchdog.trace import TraceWriter
 
-    sampler = NvmlSampler(timeout_s=5.0)
+    sampler = NvmlSession(timeout_s=5.0)
     if not sampler.available:
         print(json.dumps({"error": sampler.error}))
         return 1

@@ -19,6 +19,7 @@ Rules (GUIDE §3, MIL-HDBK-781 time-truncated test):
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,21 +57,73 @@ def _h(hours: float | None) -> str:
     return f"{hours:.3g} h"
 
 
+def _gamma_p(a: float, x: float) -> float:
+    """Regularized lower incomplete gamma P(a, x): series below a + 1, continued fraction above
+    (Numerical Recipes 6.2); accurate to ~1e-15."""
+    if x <= 0.0:
+        return 0.0
+    log_front = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1.0:
+        term = total = 1.0 / a
+        n = a
+        for _ in range(100000):
+            n += 1.0
+            term *= x / n
+            total += term
+            if abs(term) < abs(total) * 1e-16:
+                break
+        return min(1.0, total * math.exp(log_front))
+    tiny = 1e-300
+    b = x + 1.0 - a
+    c, d = 1.0 / tiny, 1.0 / b
+    h = d
+    for i in range(1, 100000):
+        an = -i * (i - a)
+        b += 2.0
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1.0 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-16:
+            break
+    return max(0.0, 1.0 - math.exp(log_front) * h)
+
+
+def chi2_ppf(p: float, dof: int) -> float:
+    """Quantile of the chi-square distribution (scipy.stats.chi2.ppf without scipy: importing
+    scipy.stats costs the light watchdog ~64 MB of RSS). Bisection on the CDF P(dof/2, x/2)."""
+    if not 0.0 < p < 1.0 or dof <= 0:
+        raise ValueError(f"chi2_ppf(p={p!r}, dof={dof!r}): need 0 < p < 1 and dof > 0")
+    lo, hi = 0.0, max(1.0, float(dof))
+    while _gamma_p(dof / 2.0, hi / 2.0) < p:
+        lo, hi = hi, hi * 2.0
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        if _gamma_p(dof / 2.0, mid / 2.0) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-15 * hi:
+            break
+    return (lo + hi) / 2.0
+
+
 def mtbf(up_hours: float, failures: int, confidence: float = 0.90) -> MTBF:
     """MTBF with chi-square bounds at `confidence` (0.90 -> 90 % lower bound and 90 % interval)."""
-    from scipy.stats import chi2  # scipy is slow to import: only when a figure is asked for
-
     if up_hours < 0 or failures < 0:
         raise ValueError(f"up_hours={up_hours}, failures={failures}: must not be negative")
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence has value {confidence!r}: must be in (0, 1)")
     alpha = 1.0 - confidence
     t2 = 2.0 * up_hours
-    lower = float(t2 / chi2.ppf(1.0 - alpha, 2 * failures + 2))
+    lower = float(t2 / chi2_ppf(1.0 - alpha, 2 * failures + 2))
     if failures == 0:
         return MTBF(up_hours, 0, confidence, None, lower, None, None)
-    lo = float(t2 / chi2.ppf(1.0 - alpha / 2.0, 2 * failures + 2))
-    hi = float(t2 / chi2.ppf(alpha / 2.0, 2 * failures))
+    lo = float(t2 / chi2_ppf(1.0 - alpha / 2.0, 2 * failures + 2))
+    hi = float(t2 / chi2_ppf(alpha / 2.0, 2 * failures))
     return MTBF(up_hours, failures, confidence, up_hours / failures, lower, lo, hi)
 
 

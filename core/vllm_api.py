@@ -52,6 +52,7 @@ class ProbeResult:
     ok: bool
     latency_s: float
     error: str = ""
+    timed_out: bool = False  # no answer in time (the hang rule counts only these; an HTTP error is an answer)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ async def probe(session: aiohttp.ClientSession, url: str, model: str, key: str |
                 return ProbeResult(False, time.monotonic() - t0, f"HTTP {r.status}: {text[:200]}")
             return ProbeResult(True, time.monotonic() - t0)
     except asyncio.TimeoutError:
-        return ProbeResult(False, time.monotonic() - t0, f"timeout after {timeout:.1f}s")
+        return ProbeResult(False, time.monotonic() - t0, f"timeout after {timeout:.1f}s", timed_out=True)
     except (aiohttp.ClientError, OSError) as e:
         return ProbeResult(False, time.monotonic() - t0, f"{type(e).__name__}: {e}")
 

@@ -24,7 +24,10 @@ from typing import Any, Iterator
 import aiohttp
 import pytest
 
-from conftest import GUARD, GuardServer, free_port
+from conftest import GUARD_CMD, GuardServer, free_port
+from vllm_guard.core import admin
+from vllm_guard.core.ledger import EndClass
+from vllm_guard.core.protocol import RuntimeState, StatusSnapshot
 
 pytestmark = pytest.mark.slow
 
@@ -60,11 +63,29 @@ class Run:
         self.wd: subprocess.Popen[bytes] | None = None
         self.load_s = 0.0
 
+    def status(self) -> StatusSnapshot:
+        """The runtime's typed status, straight from its admin socket."""
+        return asyncio.run(admin.fetch_status(self.server.state_dir, 30))
+
+    def wait_for(self, pred: Any, timeout: float, what: str) -> StatusSnapshot:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.server.proc is not None and self.server.proc.poll() is not None:
+                raise RuntimeError(f"guard exited with {self.server.proc.returncode}:\n{self.server.tail()}")
+            try:
+                st = self.status()
+                if pred(st):
+                    return st
+            except admin.AdminError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"timed out waiting for {what}:\n{self.server.tail()}")
+
     def start(self) -> Run:
         self.server.start()
-        self.server.wait_serving(timeout=300)
+        self.wait_for(lambda st: st.state is RuntimeState.SERVING, 300, "serving")
         with open(self.wd_log, "ab") as log:
-            self.wd = subprocess.Popen([GUARD, "watchdog", "--config", str(self.cfg),
+            self.wd = subprocess.Popen([*GUARD_CMD, "watchdog", "--config", str(self.cfg),
                                         "--state-dir", str(self.server.state_dir)], stdout=log, stderr=log)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the watchdog has seen the service once
@@ -160,14 +181,14 @@ def test_leak_slope_within_20_percent_within_1000_requests(leak_run: Run) -> Non
 
 def test_forecast_recycles_preventive(leak_run: Run) -> None:
     try:
-        st = leak_run.server.wait_for(lambda s: any(r["reason"] == "memory-forecast" for r in s["recycles"]),
-                                      timeout=120, what="a memory-forecast recycle")
-        rec = [r for r in st["recycles"] if r["reason"] == "memory-forecast"][0]
-        assert rec["class"] == "preventive"
+        st = leak_run.wait_for(lambda s: any(r.reason == "memory-forecast" for r in s.recent_recycles),
+                               timeout=120, what="a memory-forecast recycle")
+        rec = [r for r in st.recent_recycles if r.reason == "memory-forecast"][0]
+        assert rec.cls is EndClass.PREVENTIVE
         fc = [i for i in leak_run.incidents() if i["kind"] == "memory_forecast"]
         assert fc and fc[0]["action"] == "recycle:ok" and fc[0]["class"] == "preventive"
         assert 'vllm_guard_incidents_total{kind="memory_forecast"}' in leak_run.metrics()
-        assert st["failures"] == 0
+        assert st.failures == 0
     finally:
         leak_run.stop()  # the clean run below gets the 2 cores to itself
 
@@ -175,8 +196,8 @@ def test_forecast_recycles_preventive(leak_run: Run) -> None:
 def test_no_injection_no_alarm(clean_run: Run) -> None:
     inc = clean_run.incidents()
     assert not [i for i in inc if i["kind"].startswith("memory")], inc
-    st = clean_run.server.status()
-    assert st["recycles"] == [] and st["requests_total"] >= REQUESTS
+    st = clean_run.status()
+    assert st.recycles == 0 and st.requests.total >= REQUESTS
     m = clean_run.metrics()
     assert "vllm_guard_memory_slope_mb_per_100_requests" in m  # it did measure: a slope, not silence
     print(f"clean run: load {clean_run.load_s:.0f}s; slopes:\n" +

@@ -1,9 +1,9 @@
 """GPU and kernel scenarios replayed through the whole watchdog loop (no GPU needed).
 
 The NVML traces come from `python -m vllm_guard.watchdog.tracegen` (see docs/WATCHDOG.md);
-the kernel logs are lines as the kernel and NVIDIA's driver print them. Actions travel over the
-runtime's real admin socket (`vllm_guard.runtime.admin.start`), served here for a
-supervisor-shaped stand-in that records the commands it receives, so no vLLM is started.
+the kernel logs are lines as the kernel and NVIDIA's driver print them. Actions travel over a
+real unix admin socket in the core protocol (`watchdog_standin.StandInRuntime` answers it as
+the runtime does), so no vLLM is started.
 """
 
 from __future__ import annotations
@@ -12,38 +12,20 @@ import asyncio
 import json
 import sqlite3
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
-from vllm_guard.runtime import admin
+from vllm_guard.core.config import WatchdogConfig, section_from_table
+from vllm_guard.core.ledger import EndClass
+from vllm_guard.core.protocol import Command, CommandRequest
+from vllm_guard.watchdog.base import CheckResult, Health, Sample
 from vllm_guard.watchdog.loop import Watchdog
-from vllm_guard.watchdog.settings import from_table
-from vllm_guard.watchdog.trace import read_trace
+from vllm_guard.watchdog.trace import TraceWriter, read_trace
+from watchdog_standin import StandInRuntime
 
 FIX = Path(__file__).parent / "fixtures" / "watchdog"
-
-
-class StandInRuntime:
-    """What admin.start needs from a Supervisor: status(), a command queue, wake()."""
-
-    def __init__(self, state_dir: Path, state: str = "serving") -> None:
-        self.state_dir = state_dir
-        self.state = SimpleNamespace(value=state)
-        self.generation = 3
-        self.commands: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
-        self.cfg = SimpleNamespace(server=SimpleNamespace(admin_group="", admin_mode=0o660))
-        self.received: list[tuple[str, dict[str, Any]]] = []
-
-    def status(self) -> dict[str, Any]:
-        return {"state": self.state.value, "generation": self.generation, "requests_total": 0,
-                "requests_generation": 0, "in_flight": 0, "queued": 0, "failures": 0, "failure_log": [],
-                "recycles": [], "hold": None, "backend_url": None, "children": [], "memory": {}, "pid": 1}
-
-    def wake(self) -> None:
-        while not self.commands.empty():
-            self.received.append(self.commands.get_nowait())
+OnTick = Callable[[Sample, list[CheckResult]], None]
 
 
 def _incidents(state_dir: Path) -> list[dict[str, Any]]:
@@ -57,9 +39,10 @@ def _incidents(state_dir: Path) -> list[dict[str, Any]]:
 
 
 async def _replay(state_dir: Path, table: dict[str, Any], runtime: StandInRuntime | None = None,
-                  on_tick: Any = None) -> Watchdog:
-    cfg, _ = from_table({"prometheus_port": 0, "kernel": "off", **table})
-    runner = await admin.start(runtime) if runtime is not None else None  # type: ignore[arg-type]
+                  on_tick: OnTick | None = None) -> Watchdog:
+    cfg: WatchdogConfig = section_from_table("watchdog", {"prometheus_port": 0, "kernel": "off", **table})
+    if runtime is not None:
+        await runtime.start()
     wd = Watchdog(cfg, state_dir)
     await wd.start()
     try:
@@ -69,29 +52,34 @@ async def _replay(state_dir: Path, table: dict[str, Any], runtime: StandInRuntim
                 on_tick(s, results)
     finally:
         await wd.close()
-        if runner is not None:
-            await runner.cleanup()
+        if runtime is not None:
+            await runtime.stop()
     return wd
 
 
+def _thermal(results: list[CheckResult]) -> CheckResult:
+    return [r for r in results if r.name == "thermal"][0]
+
+
 def test_thermal_trace_gives_the_generators_throttle_share(tmp_path: Path) -> None:
-    meta, samples = read_trace(FIX / "nvml_thermal_4090.jsonl")
+    meta, _ = read_trace(FIX / "nvml_thermal_4090.jsonl")
     story = meta["story"]
     want = {c["at_s"]: c["throttle_share"] for c in story["checkpoints"]}
     got: dict[float, float] = {}
-    last: list[Any] = []
+    last: list[CheckResult] = []
 
-    def on_tick(s: dict[str, Any], results: list[Any]) -> None:
-        th = [r for r in results if r.name == "thermal"][0]
-        if th.data.get("gpus") and s["t"] in want:
-            got[s["t"]] = th.data["gpus"][0]["throttle_share"]
-        if th.data.get("gpus"):
+    def on_tick(s: Sample, results: list[CheckResult]) -> None:
+        th = _thermal(results)
+        if "gpus" in th.data and s.t in want:
+            got[s.t] = th.data["gpus"][0]["throttle_share"]
+        if "gpus" in th.data:
             last[:] = [th]
 
     asyncio.run(_replay(tmp_path, {"nvml_trace": str(FIX / "nvml_thermal_4090.jsonl")}, on_tick=on_tick))
     assert got == pytest.approx(want, abs=1e-4)
     final = last[0].data["gpus"][0]
     assert final["throttle_share"] == pytest.approx(story["throttle_share_last_window"], abs=1e-4)
+    assert final["thermal_share"] == final["throttle_share"] and final["power_capped_share"] == 0
     assert final["clock_drop_pct"] == pytest.approx((1 - story["final_sm_mhz"] / 2520) * 100, abs=1.0)
     assert final["margin_c"] == 90 - story["final_temp_c"]
     inc = [i for i in _incidents(tmp_path) if i["kind"] == "thermal"]
@@ -105,10 +93,63 @@ def test_steady_h200_trace_no_thermal_incident(tmp_path: Path) -> None:
     assert [i for i in _incidents(tmp_path) if i["kind"] == "thermal"] == []
 
 
+def _with_reasons(tmp_path: Path, name: str, bits: int) -> Path:
+    """The steady H200 trace with every busy sample's clock-event reasons set to `bits`."""
+    meta, samples = read_trace(FIX / "nvml_h200_steady.jsonl")
+    out = tmp_path / name
+    w = TraceWriter(out, meta)
+    for rec in samples:
+        for g in rec["gpus"]:
+            g["clock_reasons"] = bits
+        w.write(rec)
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("bits,throttled", [(0x4, False), (0x80, True), (0x20, True)])
+def test_throttled_means_heat_or_brake_never_the_power_cap(tmp_path: Path, bits: int, throttled: bool) -> None:
+    """One throttle rule (core.gpu): a card held at its power cap (0x4) is power capped, not
+    throttled, so it gets no thermal incident; power brake (0x80) and SW thermal (0x20) are."""
+    trace = _with_reasons(tmp_path, f"reasons_{bits:x}.jsonl", bits)
+    last: list[CheckResult] = []
+
+    def on_tick(s: Sample, results: list[CheckResult]) -> None:
+        last[:] = [_thermal(results)]
+
+    wd = asyncio.run(_replay(tmp_path, {"nvml_trace": str(trace), "thermal_window": "10m"}, on_tick=on_tick))
+    th = last[0]
+    g = th.data["gpus"][0]
+    assert (g["throttle_share"] == 1.0) is throttled and (g["throttle_share"] == 0.0) is not throttled
+    assert g["power_capped_share"] == (1.0 if bits == 0x4 else 0.0)
+    inc = [i for i in _incidents(tmp_path) if i["kind"] == "thermal"]
+    assert bool(inc) is throttled
+    if not throttled:
+        assert th.health is not Health.UNHEALTHY and "power capped 100%" in th.reason
+    assert wd.exporter is not None
+    uuid = g["uuid"]
+    assert wd.exporter.registry.get_sample_value("vllm_guard_thermal_throttle_share", {"gpu": uuid}) == \
+        g["throttle_share"]
+    assert wd.exporter.registry.get_sample_value("vllm_guard_power_capped_share", {"gpu": uuid}) == \
+        g["power_capped_share"]
+
+
 def test_thermal_recycles_through_admin_socket(tmp_path: Path) -> None:
     rt = StandInRuntime(tmp_path)
     asyncio.run(_replay(tmp_path, {"nvml_trace": str(FIX / "nvml_thermal_4090.jsonl")}, rt))
-    assert rt.received == [("recycle", {"reason": "thermal", "class": "preventive"})]
+    assert rt.received == [CommandRequest(command=Command.RECYCLE, reason="thermal", cls=EndClass.PREVENTIVE)]
+    inc = [i for i in _incidents(tmp_path) if i["kind"] == "thermal"]
+    assert [i["action"] for i in inc] == ["recycle:ok"]
+
+
+def test_a_refused_command_is_an_outcome_not_an_error(tmp_path: Path) -> None:
+    rt = StandInRuntime(tmp_path, refuse=True)
+    wd = asyncio.run(_replay(tmp_path, {"nvml_trace": str(FIX / "nvml_thermal_4090.jsonl")}, rt))
+    assert [r.command for r in rt.received] == [Command.RECYCLE]
+    inc = [i for i in _incidents(tmp_path) if i["kind"] == "thermal"]
+    assert [i["action"] for i in inc] == ["recycle:refused: a recycle is already in progress"]
+    assert wd.exporter is not None
+    assert wd.exporter.registry.get_sample_value("vllm_guard_actions_total",
+                                                 {"action": "recycle", "outcome": "refused"}) == 1.0
 
 
 def test_xid79_holds_and_alerts_never_restarts(tmp_path: Path) -> None:
@@ -117,8 +158,8 @@ def test_xid79_holds_and_alerts_never_restarts(tmp_path: Path) -> None:
     asyncio.run(_replay(tmp_path, {"nvml_trace": str(FIX / "nvml_h200_steady.jsonl"),
                                    "kernel": str(FIX / "kernel_xid79.log"),
                                    "alert_command": f"cat >> {alerts}; echo >> {alerts}"}, rt))
-    assert [c for c, _ in rt.received] == ["hold"]
-    assert rt.received[0][1]["reason"] == "xid-79"
+    assert [r.command for r in rt.received] == [Command.HOLD]
+    assert rt.received[0].reason == "xid-79"
     inc = [i for i in _incidents(tmp_path) if i["kind"] == "xid_79"]
     assert len(inc) == 1 and inc[0]["data"]["catalog"] == "reboot" and inc[0]["action"] == "hold:ok"
     sent = [json.loads(x) for x in alerts.read_text().splitlines() if x.strip()]
@@ -129,7 +170,7 @@ def test_xid13_restarts_the_app_once(tmp_path: Path) -> None:
     rt = StandInRuntime(tmp_path)
     asyncio.run(_replay(tmp_path, {"nvml_trace": str(FIX / "nvml_h200_steady.jsonl"),
                                    "kernel": str(FIX / "kernel_xid13.log")}, rt))
-    assert rt.received == [("restart", {"reason": "xid-13", "class": "unplanned"})]
+    assert rt.received == [CommandRequest(command=Command.RESTART, reason="xid-13", cls=EndClass.UNPLANNED)]
     inc = [i for i in _incidents(tmp_path) if i["kind"] == "xid_13"]
     assert [i["action"] for i in inc] == ["restart:ok", "cooldown:restart"]  # two lines, one fault
     assert all(i["restored_at"] for i in inc)  # the runtime serves again: the incident is over

@@ -3,7 +3,9 @@ cgroup files, ledger downsampling, the NVML call timeout."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import json
 import random
 import time
 from pathlib import Path
@@ -12,21 +14,50 @@ from typing import Any
 
 import pytest
 
-from vllm_guard.runtime.config import ConfigError
-from vllm_guard.watchdog import host, kernel
-from vllm_guard.watchdog.base import Action, Finding, Health
+from vllm_guard.core import gpu, host
+from vllm_guard.core.config import ConfigError, WatchdogConfig, from_data, section_from_table
+from vllm_guard.core.ledger import EndClass
+from vllm_guard.core.nvml import NvmlSession
+from vllm_guard.core.protocol import ChildProcess, FailureSummary, RequestCounters, Role, RuntimeState, StatusSnapshot
+from vllm_guard.core.samples import SAMPLES_SCHEMA, GpuReading, HostReading, NvmlRecord, ProcReading, StatusBrief, Tick
+from vllm_guard.core.stats import theil_sen, time_to_exhaust
+from vllm_guard.core.vllm_api import EngineMetrics, ProbeResult
+from vllm_guard.watchdog import kernel
+from vllm_guard.watchdog.base import Action, CgroupReading, Finding, Health, Sample
 from vllm_guard.watchdog.drift import DriftDetector
-from vllm_guard.watchdog.nvml import NvmlSampler, visible_uuids
+from vllm_guard.watchdog.feed import FailureFeed
+from vllm_guard.watchdog.hang import HangDetector
+from vllm_guard.watchdog.loop import Watchdog, summary_text
 from vllm_guard.watchdog.oom import OomDetector
 from vllm_guard.watchdog.policy import Policy
+from vllm_guard.watchdog.profiles import apply_profile
 from vllm_guard.watchdog.reboot import RebootDetector
-from vllm_guard.watchdog.service import parse_metrics
-from vllm_guard.watchdog.settings import apply_profile, from_table
-from vllm_guard.watchdog.stats import theil_sen, time_to_exhaust
 from vllm_guard.watchdog.store import WatchdogLedger
 from vllm_guard.watchdog.xid import catalog_class
 
 FIX = Path(__file__).parent / "fixtures" / "watchdog"
+
+
+def cfg_of(table: dict[str, Any] | None = None) -> WatchdogConfig:
+    """A [watchdog] section validated by the core's one schema."""
+    out: WatchdogConfig = section_from_table("watchdog", table or {})
+    return out
+
+
+def status(**kw: Any) -> StatusSnapshot:
+    """A runtime status as the runtime sends it (the typed protocol model)."""
+    base: dict[str, Any] = {"state": RuntimeState.SERVING, "state_for_s": 1.0, "generation": 1, "pid": 100,
+                            "port": 8000, "model": "m"}
+    return StatusSnapshot(**{**base, **kw})
+
+
+def sample(t: float = 0.0, **kw: Any) -> Sample:
+    return Sample(at="2026-11-29T00:00:00.000Z", t=t, **kw)
+
+
+def failure(i: int, kind: str = "crash", generation: int | None = None) -> FailureSummary:
+    return FailureSummary(kind=kind, at=f"2026-11-29T00:{i // 60:02d}:{i % 60:02d}.000Z", exit_code=-9,
+                          detail=f"failure {i}", restored_at=None, generation=generation or i)
 
 
 # -- kernel lines ---------------------------------------------------------------------------------
@@ -34,8 +65,8 @@ def test_parse_oom_context_line_with_task_memcg() -> None:
     ev = kernel.parse("[200000.100120] oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,"
                       "mems_allowed=0,oom_memcg=/system.slice/a.service,task_memcg=/system.slice/a.service/x,"
                       "task=VLLM::EngineCor,pid=48213,uid=998")
-    assert ev is not None and ev["type"] == "oom_context"
-    assert (ev["pid"], ev["task"], ev["task_memcg"]) == (48213, "VLLM::EngineCor", "/system.slice/a.service/x")
+    assert ev is not None and ev.type == "oom_context"
+    assert (ev.pid, ev.task, ev.task_memcg) == (48213, "VLLM::EngineCor", "/system.slice/a.service/x")
 
 
 @pytest.mark.parametrize("line", [
@@ -45,12 +76,12 @@ def test_parse_oom_context_line_with_task_memcg() -> None:
 ])
 def test_parse_killed_process_in_every_prefix(line: str) -> None:
     ev = kernel.parse(line)
-    assert ev is not None and (ev["type"], ev["pid"], ev["task"]) == ("oom_killed", 7777, "chrome")
+    assert ev is not None and (ev.type, ev.pid, ev.task) == ("oom_killed", 7777, "chrome")
 
 
 def test_parse_xid_lines() -> None:
     ev = kernel.parse("[ 3021.412345] NVRM: Xid (PCI:0000:18:00): 79, pid=48213, name=x, GPU has fallen off the bus.")
-    assert ev is not None and (ev["xid"], ev["pci"], ev["pid"]) == (79, "0000:18:00", 48213)
+    assert ev is not None and (ev.xid, ev.pci, ev.pid) == (79, "0000:18:00", 48213)
     assert kernel.parse("[ 3021.4] NVRM: GPU 0000:18:00.0: GPU has fallen off the bus.") is None
 
 
@@ -68,47 +99,51 @@ def test_file_source_hands_out_lines_in_batches() -> None:
 def test_auto_source_never_raises() -> None:
     src = kernel.open_source("auto")
     assert isinstance(src.poll(), list)
+    assert src.active or src.error  # a source that delivers, or one line saying why not
     src.close()
 
 
 # -- OOM attribution ------------------------------------------------------------------------------
-def _sample(**kw: Any) -> dict[str, Any]:
-    return {"at": "2026-11-29T00:00:00.000Z", "t": 0.0, "errors": {}, "kernel_events": [], **kw}
-
-
 def test_oom_attributed_by_pid_when_no_memcg_line() -> None:
     d = OomDetector()
-    st = {"children": [{"pid": 4242, "role": "engine_core"}], "failure_log": []}
-    d.check(_sample(status=st))
+    st = status(children=[ChildProcess(pid=4242, role=Role.ENGINE_CORE)])
+    d.check(sample(status=st))
     ev = kernel.parse("Out of memory: Killed process 4242 (python3) total-vm:1kB")
-    res = d.check(_sample(status={**st, "children": []}, kernel_events=[ev]))
+    assert ev is not None
+    res = d.check(sample(status=status(), kernel_events=[ev], kernel_source="kmsg"))
     assert res.health is Health.UNHEALTHY
     assert res.findings[0].data["attributed_by"] == "pid" and res.findings[0].data["role"] == "engine_core"
 
 
 def test_oom_of_a_stranger_is_not_ours() -> None:
     ev = kernel.parse("Out of memory: Killed process 99 (chrome) total-vm:1kB")
-    res = OomDetector().check(_sample(service_cgroup="/system.slice/a.service", kernel_events=[ev]))
+    assert ev is not None
+    res = OomDetector().check(sample(service_cgroup="/system.slice/a.service", kernel_events=[ev],
+                                     kernel_source="kmsg"))
     assert res.health is Health.HEALTHY
+
+
+def test_oom_without_any_source_is_unknown_not_healthy() -> None:
+    assert OomDetector().check(sample()).health is Health.UNKNOWN
 
 
 def test_cgroup_counter_rise_is_an_oom() -> None:
     d = OomDetector()
-    assert d.check(_sample(cgroup={"oom_kill": 2})).health is Health.HEALTHY
-    res = d.check(_sample(cgroup={"oom_kill": 3}))
+    assert d.check(sample(cgroup=CgroupReading("v2", 2, "x"))).health is Health.HEALTHY
+    res = d.check(sample(cgroup=CgroupReading("v2", 3, "x")))
     assert res.findings[0].kind == "oom_kill" and "2 -> 3" in res.findings[0].cause
 
 
 def test_cuda_oom_in_child_log() -> None:
     line = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
-    res = OomDetector().check(_sample(child_log=["INFO fine", line]))
+    res = OomDetector().check(sample(child_log=["INFO fine", line]))
     assert [f.kind for f in res.findings] == ["cuda_oom"]
 
 
 @pytest.mark.parametrize("version,expect", [("v1", 2), ("v2", 1)])
 def test_cgroup_v1_and_v2_counters(version: str, expect: int) -> None:
-    got = host.oom_kills("/system.slice/vllm-guard.service", str(FIX / f"cgroup_{version}"))
-    assert (got["version"], got["oom_kill"]) == (version, expect)
+    got = CgroupReading.from_host(host.oom_kills("/system.slice/vllm-guard.service", str(FIX / f"cgroup_{version}")))
+    assert (got.version, got.oom_kill) == (version, expect)
 
 
 def test_service_path_from_proc_cgroup(tmp_path: Path) -> None:
@@ -118,6 +153,77 @@ def test_service_path_from_proc_cgroup(tmp_path: Path) -> None:
     assert host.service_path(12, str(tmp_path)) == "/system.slice/vllm-guard.service"
     (tmp_path / "12" / "cgroup").write_text("0::/system.slice/vllm-guard.service\n")
     assert host.service_path(12, str(tmp_path)) == "/system.slice/vllm-guard.service"
+
+
+# -- the runtime's failures through its bounded status --------------------------------------------
+def test_feed_counts_new_failures_by_the_total_when_the_window_is_full() -> None:
+    """The status keeps the last 10 failures: once full, the list no longer grows, the total does."""
+    feed = FailureFeed()
+    window = [failure(i) for i in range(10)]
+    assert feed.update(status(failures=10, recent_failures=window)).failures == []  # baseline
+    window = [failure(i) for i in range(3, 13)]  # three new ones; the list length did not change
+    new = feed.update(status(failures=13, recent_failures=window))
+    assert [f.detail for f in new.failures] == ["failure 10", "failure 11", "failure 12"] and new.missed == 0
+    window = [failure(i) for i in range(18, 28)]  # fifteen new ones: ten shown, five gone by
+    new = feed.update(status(failures=28, recent_failures=window))
+    assert len(new.failures) == 10 and new.missed == 5
+    assert feed.update(status(failures=28, recent_failures=window)).failures == []
+
+
+def test_feed_new_runtime_process_starts_its_counters_again() -> None:
+    feed = FailureFeed()
+    feed.update(status(pid=1, failures=12, recent_failures=[failure(i) for i in range(2, 12)]))
+    new = feed.update(status(pid=2, failures=1, recent_failures=[failure(50)]))
+    assert [f.detail for f in new.failures] == ["failure 50"]
+
+
+def test_hang_and_exits_from_a_full_status_window() -> None:
+    """Two hangs and a crash arrive while the window stays at 10 entries: the hang detector
+    records the two hangs, the OOM detector the crash (the list length never changed)."""
+    hang, oom = HangDetector(cfg_of()), OomDetector()
+    old = [failure(i) for i in range(10)]
+    for d in (hang, oom):
+        d.check(sample(status=status(failures=10, recent_failures=old)))
+    new = [failure(10, "hang"), failure(11, "crash"), failure(12, "hang")]
+    st = status(failures=13, recent_failures=old[3:] + new)
+    h = hang.check(sample(status=st))
+    assert [f.data["detail"] for f in h.findings] == ["failure 10", "failure 12"]
+    assert all(f.kind == "hang" and f.data["handled_by"] == "runtime" for f in h.findings)
+    o = oom.check(sample(status=st))
+    assert [(f.kind, f.data["detail"]) for f in o.findings] == [("child_exit", "failure 11")]
+
+
+# -- the watchdog's own probe ---------------------------------------------------------------------
+def _metrics(tokens: float) -> EngineMetrics:
+    return EngineMetrics(generation_tokens=tokens)
+
+
+def test_probe_timeouts_without_progress_are_a_hang() -> None:
+    d = HangDetector(cfg_of({"hang_failures": 2}))
+    timeout = ProbeResult(False, 20.0, "timeout after 20.0s", timed_out=True)
+    assert d.check(sample(status=status(), probe=timeout, metrics=_metrics(5))).health is Health.DEGRADED
+    res = d.check(sample(status=status(generation=4), probe=timeout, metrics=_metrics(5)))
+    assert res.health is Health.UNHEALTHY and res.suggested_action is Action.RESTART
+    assert res.findings[0].key == "probe:4" and res.findings[0].data["handled_by"] == "watchdog"
+
+
+def test_probe_timeouts_while_tokens_move_are_a_busy_engine() -> None:
+    d = HangDetector(cfg_of({"hang_failures": 2}))
+    timeout = ProbeResult(False, 20.0, "timeout after 20.0s", timed_out=True)
+    for tokens in (5, 50, 500):
+        res = d.check(sample(status=status(), probe=timeout, metrics=_metrics(tokens)))
+        assert not res.findings
+
+
+def test_probe_answered_401_is_degraded_never_a_hang() -> None:
+    """A wrong API key must not restart a healthy server."""
+    d = HangDetector(cfg_of({"hang_failures": 1}))
+    denied = ProbeResult(False, 0.01, "HTTP 401: {\"error\": \"Unauthorized\"}")
+    for _ in range(3):
+        res = d.check(sample(status=status(), probe=denied, metrics=_metrics(5)))
+        assert not res.findings and res.health is Health.DEGRADED and "HTTP 401" in res.reason
+    assert d.check(sample(status=status())).health is Health.DEGRADED  # until the next probe lands
+    assert d.check(sample(status=status(), probe=ProbeResult(True, 0.01))).health is Health.HEALTHY
 
 
 # -- statistics and drift -------------------------------------------------------------------------
@@ -146,16 +252,19 @@ def test_theil_sen_equals_scipy(seed: int) -> None:
     assert (got.slope, got.low, got.high) == pytest.approx((ref.slope, ref.low_slope, ref.high_slope), rel=1e-12)
 
 
+def _host(avail: float = 8000.0) -> HostReading:
+    return HostReading(mem_total_mb=16000.0, mem_available_mb=avail, swap_used_mb=0.0, boot_id="b")
+
+
 def _drift_run(rate_mb: float, cfg_table: dict[str, Any], n: int = 600, seed: int = 1) -> list[Any]:
-    cfg, _ = from_table(cfg_table)
-    d = DriftDetector(cfg)
+    d = DriftDetector(cfg_of(cfg_table))
     rng = random.Random(seed)
     out = []
     for i in range(n):
         req = i * 2
         rss = 600 + rate_mb * req + rng.gauss(0, 2.0)
-        s = _sample(t=float(i), status={"requests_total": req},
-                    procs={"11": {"role": "engine_core", "rss_mb": rss}}, host={"mem_available_mb": 8000.0})
+        s = sample(t=float(i), status=status(requests=RequestCounters(total=req)),
+                   procs={11: ProcReading(role=Role.ENGINE_CORE, rss_mb=rss)}, host=_host())
         out.append(d.check(s))
     return out
 
@@ -168,6 +277,7 @@ def test_drift_finds_a_leak_and_forecasts() -> None:
     assert res[-1].health is Health.UNHEALTHY and res[-1].suggested_action is Action.RECYCLE
     # 8000 MB headroom at 0.2 MB/request, 2 requests per second: ~5.6 h
     assert res[-1].findings[-1].data["time_to_oom_s"] == pytest.approx(8000 / 0.4, rel=0.2)
+    assert res[-1].findings[-1].cls is EndClass.PREVENTIVE
 
 
 def test_drift_flat_memory_no_alarm_and_warmup() -> None:
@@ -178,15 +288,14 @@ def test_drift_flat_memory_no_alarm_and_warmup() -> None:
 
 
 def test_drift_a_warmup_step_is_not_a_leak() -> None:
-    cfg, _ = from_table({"forecast_horizon": "24h"})
-    d = DriftDetector(cfg)
+    d = DriftDetector(cfg_of({"forecast_horizon": "24h"}))
     rng = random.Random(5)
     res = []
     for i in range(600):  # flat, one 120 MB step at request 200 (allocator pool), then flat
         req = i * 2
         rss = 1760 + (120 if req >= 200 else 0) + rng.gauss(0, 0.3)
-        res.append(d.check(_sample(t=float(i), status={"requests_total": req},
-                                   procs={"9": {"role": "worker", "rss_mb": rss}}, host={"mem_available_mb": 8e3})))
+        res.append(d.check(sample(t=float(i), status=status(requests=RequestCounters(total=req)),
+                                  procs={9: ProcReading(role=Role.WORKER, rss_mb=rss)}, host=_host())))
     assert not any(r.findings for r in res)
 
 
@@ -195,38 +304,92 @@ def test_drift_outside_horizon_is_only_degraded() -> None:
     assert res[-1].health is Health.DEGRADED and [f.kind for f in res[-1].findings] == ["memory_drift"]
 
 
+def _gpu(uuid: str = "GPU-x", **kw: Any) -> GpuReading:
+    return GpuReading(index=0, uuid=uuid, name="NVIDIA H200", **kw)
+
+
+def test_drift_on_gpu_per_process_memory_with_gpu_headroom() -> None:
+    """vLLM preallocates KV, so the device total is flat-ish: the per-process series finds it."""
+    d = DriftDetector(cfg_of({"forecast_horizon": "1h"}))
+    res = None
+    for i in range(400):
+        req = i * 5
+        used = 22038.0 + 0.1465 * req  # the seed's 150 KB per request, in NVML's per-process list
+        g = _gpu(mem_total_mb=24564.0, mem_used_mb=used + 600, processes=[{"pid": 77, "used_mb": used}])
+        res = d.check(sample(t=float(i), status=status(requests=RequestCounters(total=req)),
+                             nvml=NvmlRecord(at_s=float(i), gpus=[g]),
+                             procs={77: ProcReading(role=Role.ENGINE_CORE, rss_mb=900.0)}, host=_host(1e5)))
+    assert res is not None
+    f = [x for x in res.findings if x.key == "gpu:77"]
+    assert [x.kind for x in f] == ["memory_drift", "memory_forecast"]
+    v = f[-1].data
+    assert v["slope_mb_per_100"] == pytest.approx(14.65, rel=0.01)
+    # headroom = 24564 - used at the end; 5 requests/s -> 0.7325 MB/s
+    assert v["time_to_oom_s"] == pytest.approx((24564 - 600 - 22038 - 0.1465 * 1995) / (0.1465 * 5), rel=0.05)
+
+
+# -- the one throttle rule ------------------------------------------------------------------------
+def test_throttle_rule_power_cap_is_apart() -> None:
+    assert gpu.throttled(0x20) and gpu.throttled(0x80) and gpu.thermal(0x40)
+    assert not gpu.throttled(0x4) and gpu.power_capped(0x4) and not gpu.throttled(0x1)
+
+
+# -- the one GPU-index rule, and vLLM's metrics as the watchdog reads them --------------------------
+MIXED = [{"uuid": "GPU-4090", "pci_bus_id": "00000000:3B:00.0"}, {"uuid": "GPU-a100", "pci_bus_id": "00000000:18:00.0"}]
+
+
+def test_visible_gpus_by_index_need_pci_bus_order() -> None:
+    """NVML order is not CUDA's (fastest first) unless CUDA_DEVICE_ORDER=PCI_BUS_ID: without it
+    an index names no NVML device for sure, so every GPU is watched; with it, the right one."""
+    assert gpu.visible_uuids(MIXED, {"CUDA_VISIBLE_DEVICES": "1"}) == ["GPU-4090", "GPU-a100"]
+    assert gpu.visible_uuids(MIXED, {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) == ["GPU-4090"]
+    assert gpu.visible_uuids(MIXED, {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) == ["GPU-a100"]
+    assert gpu.visible_uuids(MIXED, {"CUDA_VISIBLE_DEVICES": "GPU-a100"}) == ["GPU-a100"]
+
+
+def test_parse_vllm_metrics_sums_labels() -> None:
+    from vllm_guard.core.vllm_api import parse_metrics
+
+    text = ('# TYPE vllm:request_success_total counter\n'
+            'vllm:request_success_total{finished_reason="stop",model_name="m"} 3.0\n'
+            'vllm:request_success_total{finished_reason="length",model_name="m"} 4.0\n'
+            '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+            '# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{model_name="m"} 9.0\n')
+    assert parse_metrics(text) == EngineMetrics(request_success=7.0, kv_cache_usage=0.25, generation_tokens=9.0)
+
+
 # -- policy ---------------------------------------------------------------------------------------
 def _f(action: Action, kind: str = "memory_forecast") -> Finding:
-    return Finding(kind, "k", "cause", "preventive", action)
+    return Finding(kind, "k", "cause", EndClass.PREVENTIVE, action)
+
+
+SERVING, HELD, DRAINING = RuntimeState.SERVING, RuntimeState.HELD, RuntimeState.DRAINING
 
 
 def test_policy_cooldown_then_escalation() -> None:
-    cfg, _ = from_table({"cooldown": "60s", "max_actions": 2, "action_window": "1h"})
-    p = Policy(cfg)
-    assert p.decide(_f(Action.RECYCLE), 0, "serving", False).why == "act"
-    assert p.decide(_f(Action.RECYCLE), 30, "serving", False).why == "cooldown"
-    assert p.decide(_f(Action.RECYCLE), 100, "serving", False).why == "act"
-    d = p.decide(_f(Action.RECYCLE), 200, "serving", False)
+    p = Policy(cfg_of({"cooldown": "60s", "max_actions": 2, "action_window": "1h"}))
+    assert p.decide(_f(Action.RECYCLE), 0, SERVING, False).why == "act"
+    assert p.decide(_f(Action.RECYCLE), 30, SERVING, False).why == "cooldown"
+    assert p.decide(_f(Action.RECYCLE), 100, SERVING, False).why == "act"
+    d = p.decide(_f(Action.RECYCLE), 200, SERVING, False)
     assert d.action is Action.ALERT and d.why.startswith("escalated") and p.escalated
-    assert p.decide(_f(Action.RECYCLE), 3700, "serving", False).why == "act"  # the window cleared
+    assert p.decide(_f(Action.RECYCLE), 3700, SERVING, False).why == "act"  # the window cleared
 
 
 def test_policy_hold_is_never_rate_limited_and_blocks_restarts() -> None:
-    cfg, _ = from_table({"max_actions": 1})
-    p = Policy(cfg)
-    assert p.decide(_f(Action.RESTART, "xid_13"), 0, "serving", False).why == "act"
-    assert p.decide(_f(Action.HOLD, "xid_79"), 1, "serving", False).action is Action.HOLD
-    assert p.decide(_f(Action.RESTART, "hang"), 2, "held", True).action is Action.NONE
-    assert p.decide(_f(Action.RECYCLE), 3, "draining", False).why == "runtime draining"
+    p = Policy(cfg_of({"max_actions": 1}))
+    assert p.decide(_f(Action.RESTART, "xid_13"), 0, SERVING, False).why == "act"
+    assert p.decide(_f(Action.HOLD, "xid_79"), 1, SERVING, False).action is Action.HOLD
+    assert p.decide(_f(Action.RESTART, "hang"), 2, HELD, True).action is Action.NONE
+    assert p.decide(_f(Action.RECYCLE), 3, DRAINING, False).why == "runtime draining"
 
 
 def test_policy_dry_run_decides_but_does_not_count() -> None:
-    cfg, _ = from_table({"dry_run": True, "max_actions": 1})
-    p = Policy(cfg)
-    assert [p.decide(_f(Action.RECYCLE), t, "serving", False).why for t in (0, 1, 2)] == ["dry-run"] * 3
+    p = Policy(cfg_of({"dry_run": True, "max_actions": 1}))
+    assert [p.decide(_f(Action.RECYCLE), t, SERVING, False).why for t in (0, 1, 2)] == ["dry-run"] * 3
 
 
-# -- config ---------------------------------------------------------------------------------------
+# -- config (the core's one schema) and profiles ---------------------------------------------------
 @pytest.mark.parametrize("table,needle", [
     ({"intervall": "1s"}, "intervall is not a known key"),
     ({"interval": "soon"}, "interval has value 'soon'"),
@@ -237,53 +400,60 @@ def test_policy_dry_run_decides_but_does_not_count() -> None:
 ])
 def test_config_errors_name_key_and_value(table: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
-        from_table(table)
+        from_data({"watchdog": table})
 
 
 def test_gpu_profile_defaults_do_not_override_the_operator() -> None:
-    cfg, explicit = from_table({"thermal_margin_c": 3})
-    assert apply_profile(cfg, explicit, "NVIDIA A100-SXM4-80GB") == "a100"
-    assert cfg.thermal_margin_c == 3.0 and cfg.clock_drop_pct == 8.0
+    gc = from_data({"watchdog": {"thermal_margin_c": 3}})
+    assert apply_profile(gc.watchdog, gc.explicit["watchdog"], "NVIDIA A100-SXM4-80GB") == "a100"
+    assert gc.watchdog.thermal_margin_c == 3.0 and gc.watchdog.clock_drop_pct == 8.0
+    gc = from_data({"watchdog": {"gpu_profile": "h200"}})  # chosen by the operator, whatever the GPU
+    assert apply_profile(gc.watchdog, gc.explicit["watchdog"], "NVIDIA GeForce RTX 4090") == "h200"
+    assert gc.watchdog.thermal_margin_c == 8.0
 
 
-def test_visible_uuids_honours_pci_bus_order() -> None:
-    static = [{"uuid": "GPU-b", "pci_bus_id": "0000:3B:00.0"}, {"uuid": "GPU-a", "pci_bus_id": "0000:18:00.0"}]
-    env = {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    assert visible_uuids(static, env) == ["GPU-a"]
-    assert visible_uuids(static, {"CUDA_VISIBLE_DEVICES": "0"}) == ["GPU-b", "GPU-a"]  # ambiguous: watch all
-    assert visible_uuids(static, {"CUDA_VISIBLE_DEVICES": "GPU-b"}) == ["GPU-b"]
-
-
-# -- metrics, reboot, ledger ----------------------------------------------------------------------
-def test_parse_vllm_metrics_sums_labels() -> None:
-    text = ('# TYPE vllm:request_success_total counter\n'
-            'vllm:request_success_total{finished_reason="stop",model_name="m"} 3.0\n'
-            'vllm:request_success_total{finished_reason="length",model_name="m"} 4.0\n'
-            '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\n')
-    assert parse_metrics(text) == {"request_success": 7.0, "kv_cache_usage": 0.25}
-
-
+# -- reboot, ledger -------------------------------------------------------------------------------
 def test_reboot_detector_compares_with_the_last_recorded_boot() -> None:
     d = RebootDetector("aaaa-1", "2026-11-29T00:00:00.000Z")
-    res = d.check(_sample(host={"boot_id": "bbbb-2"}))
+    res = d.check(sample(host=_host().model_copy(update={"boot_id": "bbbb-2"})))
     assert res.findings[0].kind == "host_reboot" and res.findings[0].data["down_since"].startswith("2026")
-    assert d.check(_sample(host={"boot_id": "bbbb-2"})).health is Health.HEALTHY
+    assert d.check(sample(host=_host().model_copy(update={"boot_id": "bbbb-2"}))).health is Health.HEALTHY
 
 
 def test_ledger_downsamples_with_age_and_remembers_boot(tmp_path: Path) -> None:
     now = [dt.datetime(2026, 11, 1, tzinfo=dt.timezone.utc)]
     lg = WatchdogLedger(tmp_path, now=lambda: now[0])
+    rec = NvmlRecord(at_s=0.0, gpus=[_gpu()])
     for _ in range(3 * 3600):  # 3 h at 1 Hz
-        lg.sample({"host": {"boot_id": "b1"}, "nvml": {"x": 1}})
+        lg.sample(host=_host().model_copy(update={"boot_id": "b1"}), nvml=rec)
         now[0] += dt.timedelta(seconds=1)
     lg.compact()
     n = lg.conn.execute("SELECT COUNT(*) FROM samples").fetchone()[0]
     assert n == 2 * (3600 + 120)  # newest hour full, the two older hours one per minute
     assert lg.last_host()[0] == "b1"
-    row = lg.incident("thermal", "hot", "preventive", "recycle:ok", {"share": 0.7})
+    row = lg.incident("thermal", "hot", EndClass.PREVENTIVE, "recycle:ok", {"share": 0.7})
     lg.restored(row)
     r = lg.conn.execute("SELECT * FROM incidents").fetchone()
-    assert r["restored_at"] is not None and lg.counts() == {"thermal": 1}
+    assert r["restored_at"] is not None and r["class"] == "preventive" and lg.counts() == {"thermal": 1}
+
+
+def test_ledger_rows_read_back_as_typed_ticks(tmp_path: Path) -> None:
+    """Every row is a core.samples record; a reader rebuilds the Tick from the rows alone."""
+    lg = WatchdogLedger(tmp_path)
+    brief = StatusBrief(state="serving", generation=2, requests_total=40, requests_generation=7, in_flight=1,
+                        queued=0, failures=1)
+    written = lg.sample(nvml=NvmlRecord(at_s=5.0, gpus=[_gpu(temp_c=40.0, clock_reasons=0x4)]),
+                        procs={42: ProcReading(role=Role.WORKER, rss_mb=1800.0)}, host=_host(),
+                        metrics=EngineMetrics(generation_tokens=12.0), status=brief, verdicts={"thermal": "healthy"})
+    rows = lg.conn.execute("SELECT at, source, data FROM samples").fetchall()
+    meta = dict(lg.conn.execute("SELECT key, value FROM meta").fetchall())
+    lg.close()
+    assert json.loads(meta["watchdog.samples_schema"]) == SAMPLES_SCHEMA
+    tick = Tick.from_sources(rows[0]["at"], {r["source"]: json.loads(r["data"]) for r in rows})
+    assert tick == written
+    assert tick.procs is not None and tick.procs["42"].role is Role.WORKER
+    assert tick.status is not None and tick.status.requests_total == 40
+    assert tick.nvml is not None and tick.nvml.gpus[0].clock_reasons == 0x4
 
 
 # -- NVML session ---------------------------------------------------------------------------------
@@ -294,36 +464,41 @@ class _SlowNvml(SimpleNamespace):
 def test_nvml_call_timeout_is_a_state_not_a_hang() -> None:
     nv = _SlowNvml(nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: time.sleep(3) or 1)
     t0 = time.monotonic()
-    s = NvmlSampler(timeout_s=0.2, nvml=nv)
+    s = NvmlSession(timeout_s=0.2, nvml=nv)
     assert time.monotonic() - t0 < 1.5
     assert not s.available and "took more than 0.2s" in s.error
     assert s.sample()["error"] == s.error
     s.close()
 
 
-def test_nvml_absent_is_one_line() -> None:
-    s = NvmlSampler(nvml=None)
-    s.nv = None
-    s._init()
-    assert s.error == "NVML unavailable: nvidia-ml-py is not installed"
+class NVMLError_LibraryNotFound(Exception):  # noqa: N801 - pynvml's naming
+    pass
 
 
-def test_drift_on_gpu_per_process_memory_with_gpu_headroom() -> None:
-    """vLLM preallocates KV, so the device total is flat-ish: the per-process series finds it."""
-    cfg, _ = from_table({"forecast_horizon": "1h"})
-    d = DriftDetector(cfg)
-    res = None
-    for i in range(400):
-        req = i * 5
-        used = 22038.0 + 0.1465 * req  # the seed's 150 KB per request, in NVML's per-process list
-        gpu = {"uuid": "GPU-x", "mem_total_mb": 24564.0, "mem_used_mb": used + 600,
-               "processes": [{"pid": 77, "used_mb": used}]}
-        res = d.check(_sample(t=float(i), status={"requests_total": req}, nvml={"gpus": [gpu]},
-                              procs={"77": {"role": "engine_core", "rss_mb": 900.0}}, host={"mem_available_mb": 1e5}))
-    assert res is not None
-    f = [x for x in res.findings if x.key == "gpu:77"]
-    assert [x.kind for x in f] == ["memory_drift", "memory_forecast"]
-    v = f[-1].data
-    assert v["slope_mb_per_100"] == pytest.approx(14.65, rel=0.01)
-    # headroom = 24564 - used at the end; 5 requests/s -> 0.7325 MB/s
-    assert v["time_to_oom_s"] == pytest.approx((24564 - 600 - 22038 - 0.1465 * 1995) / (0.1465 * 5), rel=0.05)
+def _missing_library() -> None:
+    raise NVMLError_LibraryNotFound("NVML Shared Library Not Found")
+
+
+def test_nvml_unavailable_is_a_failed_collector_never_ok(tmp_path: Path) -> None:
+    """No NVML: the nvml collector fails with the error, thermal says unknown with it, and the
+    summary never puts "ok" next to it."""
+    nv = NvmlSession(nvml=SimpleNamespace(nvmlInit=_missing_library))
+    assert not nv.available and "Shared Library Not Found" in nv.error
+
+    async def once() -> tuple[Sample, list[Any]]:
+        wd = Watchdog(cfg_of({"kernel": "off", "prometheus_port": 0}), tmp_path, exporter=False, nvml=nv)
+        await wd.start()
+        try:
+            s = await wd.collect()
+            return s, await wd.judge(s)
+        finally:
+            await wd.close()
+
+    s, results = asyncio.run(once())
+    c = s.collectors["nvml"]
+    assert c.ok is False and c.error is not None and "Shared Library Not Found" in c.error
+    thermal = [r for r in results if r.name == "thermal"][0]
+    assert thermal.health is Health.UNKNOWN and "Shared Library Not Found" in thermal.reason
+    text = summary_text(s, results)
+    nvml_lines = [ln for ln in text.splitlines() if "Shared Library Not Found" in ln]
+    assert nvml_lines and not any(" ok" in ln or "healthy" in ln for ln in nvml_lines), text

@@ -7,27 +7,28 @@ import argparse
 import sys
 from typing import NoReturn
 
-from vllm_guard.runtime.config import ConfigError
+from vllm_guard.core.errors import GuardError, UsageError
 
 from .cli import add_commands
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        print(f"vllm-guard: error: {self.prog}: {message}", file=sys.stderr)
-        sys.exit(2)
+        raise UsageError(f"{self.prog}: {message}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="vllm-guard")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    handlers = add_commands(sub)
-    args = p.parse_args(["watchdog", *(sys.argv[1:] if argv is None else argv)])
     try:
+        p = _Parser(prog="vllm-guard")
+        sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+        handlers = add_commands(sub)
+        args = p.parse_args(["watchdog", *(sys.argv[1:] if argv is None else argv)])
         return int(handlers["watchdog"](args, []))
-    except ConfigError as e:
+    except GuardError as e:
         print(f"vllm-guard: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -4,88 +4,104 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import signal
+from dataclasses import dataclass
 from typing import Any
 
-from vllm_guard.runtime.config import ConfigError, load
+from vllm_guard.core.config import GuardConfig, WatchdogConfig
 
-from .settings import WatchdogConfig, apply_profile, from_table
+FLAGS = ("interval", "nvml_trace", "kernel", "prometheus_port")
 
 
 def add_commands(sub: Any) -> dict[str, Any]:
     w = sub.add_parser("watchdog", help="watch GPU, host and server; recycle before OOM; record incidents")
-    w.add_argument("--config", help="guard.toml ([watchdog] section; [server] state_dir)")
+    w.add_argument("--config", help="guard.toml: every section is validated; [watchdog] settings, [server] "
+                                    "state_dir and the API key, [install] env and gpus (the service's GPUs)")
     w.add_argument("--state-dir", default=None, help="the runtime's state dir (admin socket, ledger)")
     w.add_argument("--dry-run", action="store_true", help="decide and record, never act")
-    w.add_argument("--once", action="store_true", help="one tick, then exit")
+    w.add_argument("--once", action="store_true", help="one tick, print one line per detector, exit")
     w.add_argument("--json", action="store_true", help="with --once: print the sample and verdicts as JSON")
-    w.add_argument("--interval", default=None, help="[watchdog] interval (e.g. 1s)")
-    w.add_argument("--nvml-trace", default=None, help="[watchdog] nvml_trace: replay this NVML JSONL trace")
-    w.add_argument("--kernel", default=None, help="[watchdog] kernel: auto|kmsg|journal|off|FILE to replay")
-    w.add_argument("--prometheus-port", default=None, help="[watchdog] prometheus_port (0: off)")
+    w.add_argument("--interval", default=None, help="time between ticks (default 1s)")
+    w.add_argument("--nvml-trace", default=None, help="replay this NVML JSONL trace instead of the live GPUs")
+    w.add_argument("--kernel", default=None, help="kernel messages: auto, kmsg, journal, off, or a file to replay")
+    w.add_argument("--prometheus-port", default=None, help="exporter port on prometheus_addr (default 9464; 0: off)")
     w.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return {"watchdog": cmd_watchdog}
 
 
-def build_config(args: argparse.Namespace) -> tuple[WatchdogConfig, set[str], str]:
-    """guard.toml [watchdog], then flags; returns (config, keys set explicitly, state dir)."""
-    gc = load(args.config)
-    table = dict(gc.watchdog)
-    for flag in ("interval", "nvml_trace", "kernel", "prometheus_port"):
+@dataclass(frozen=True)
+class Settings:
+    guard: GuardConfig
+    state_dir: str
+    env: dict[str, str]  # the service's environment: GPU selection, API key
+    api_key: str | None
+
+    @property
+    def watchdog(self) -> WatchdogConfig:
+        return self.guard.watchdog
+
+
+def build_settings(args: argparse.Namespace) -> Settings:
+    """The whole guard.toml validated (core.config), then the flags; the state dir by the core's
+    rule; the service's environment and API key from the file when one is given."""
+    from vllm_guard.core import config, paths, vllm_api
+
+    gc = config.load(args.config)
+    for flag in FLAGS:
         v = getattr(args, flag)
         if v is not None:
-            if flag == "prometheus_port":
-                if not v.isdigit():
-                    raise ConfigError(f"[watchdog] prometheus_port has value {v!r}: not an integer")
-                v = int(v)
-            table[flag] = v
+            config.set_value(gc, "watchdog", flag, config.coerce("watchdog", flag, v, text=True))
     if args.dry_run:
-        table["dry_run"] = True
-    cfg, explicit = from_table(table)
-    state_dir = args.state_dir or (gc.server.state_dir if args.config else None) \
-        or os.environ.get("VLLM_GUARD_STATE_DIR", ".state")
-    return cfg, explicit, state_dir
+        config.set_value(gc, "watchdog", "dry_run", True)
+    config.validate(gc)
+    state_dir, _ = paths.resolve_state_dir(args.state_dir, args.config)
+    env = {**os.environ, **gc.install.environment()} if args.config else dict(os.environ)
+    key = vllm_api.api_key(gc.server.vllm_args if args.config else [], env)
+    return Settings(gc, state_dir, env, key)
 
 
 def cmd_watchdog(args: argparse.Namespace, _: list[str]) -> int:
-    from vllm_guard.runtime import logsetup
+    from vllm_guard.core import logsetup
+    from vllm_guard.core.errors import UsageError
 
-    cfg, explicit, state_dir = build_config(args)
     if args.json and not args.once:
-        raise ConfigError("--json needs --once (the running watchdog logs JSON lines on stderr)")
+        raise UsageError("--json needs --once (the running watchdog logs JSON lines on stderr)")
+    settings = build_settings(args)
     logsetup.configure(args.log_level)
-    return asyncio.run(_main(cfg, explicit, state_dir, args.once, args.json))
+    return asyncio.run(_main(settings, args.once, args.json))
 
 
-async def _main(cfg: WatchdogConfig, explicit: set[str], state_dir: str, once: bool, as_json: bool) -> int:
-    from .loop import Watchdog, verdicts_json
+async def _main(st: Settings, once: bool, as_json: bool) -> int:
+    import json
+    import signal
+
     import structlog
 
-    from vllm_guard.runtime.notify import Notifier
+    from vllm_guard.core.notify import Notifier
+
+    from .loop import Watchdog, summary_text, verdicts_json
+    from .profiles import apply_profile
 
     log = structlog.get_logger("vllm_guard.watchdog")
-    wd = Watchdog(cfg, state_dir, exporter=not once)
-    names = [s.get("name") or "" for s in wd.nvml.static]
-    profile = apply_profile(cfg, explicit, names[0] if names else "")
+    cfg = st.watchdog
+    wd = Watchdog(cfg, st.state_dir, exporter=not once, env=st.env, api_key=st.api_key)
+    names = wd.nvml.names()
+    profile = apply_profile(cfg, st.guard.explicit.get("watchdog", set()), names[0] if names else "")
     wd.ledger.set_meta({"gpu_profile": profile, "gpu_budget_mb": cfg.gpu_budget_mb, "gpu_names": names})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await wd.start()
-    log.info("watchdog_started", state_dir=state_dir, gpus=names, profile=profile or None,
-             nvml=wd.nvml.available, kernel=wd.kernel.name, dry_run=cfg.dry_run,
+    log.info("watchdog_started", state_dir=st.state_dir, gpus=names, profile=profile or None,
+             nvml=wd.nvml.available, kernel=wd.kernel.name, dry_run=cfg.dry_run, api_key=bool(st.api_key),
              prometheus=f"{cfg.prometheus_addr}:{cfg.prometheus_port}" if cfg.prometheus_port and not once else None)
     try:
         if once:
-            s, results = await wd.tick()
-            if wd._probe is not None:  # --once waits for its probe so the verdict is complete
-                s["probe"] = await wd._probe
-                wd._probe = None
-            out = verdicts_json(s, results)
-            print(json.dumps(out, indent=2 if as_json else None, default=str))
+            s = await wd.collect()
+            await wd.finish_probe(s)  # --once waits for its probe so the verdict is complete
+            results = await wd.judge(s)
+            print(json.dumps(verdicts_json(s, results), indent=2, default=str) if as_json else summary_text(s, results))
             return 0
         notifier = Notifier()  # its unit is Type=notify with its own WatchdogSec
         notifier.ready("watching")

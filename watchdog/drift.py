@@ -5,7 +5,7 @@ Per process (vLLM preallocates KV, so totals stay flat: look per pid) and per me
 requests; a slope counts only when its confidence interval clears the noise floor, in the
 whole window and in each half of it (a step is not a leak); then
 time-to-OOM = headroom / slope in time, and a forecast inside the horizon asks for a
-preventive recycle. Requests are the runtime's `requests_total`, which never counts probes.
+preventive recycle. Requests are the runtime's `requests.total` (status), which never counts probes.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_guard.runtime.ledger import PREVENTIVE
+from vllm_guard.core.config import WatchdogConfig
+from vllm_guard.core.ledger import EndClass
+from vllm_guard.core.stats import theil_sen, time_to_exhaust
 
 from .base import Action, CheckResult, Finding, Health, Sample, result
-from .settings import WatchdogConfig
-from .stats import theil_sen, time_to_exhaust
 
 MAX_SERIES_POINTS = 7200
 
@@ -38,41 +38,41 @@ class DriftDetector:
 
     def __init__(self, cfg: WatchdogConfig) -> None:
         self.cfg = cfg
-        self.series: dict[tuple[str, str], Series] = {}
+        self.series: dict[tuple[str, int], Series] = {}
 
     def is_supported(self, s: Sample) -> bool:
-        return bool(s.get("status")) and bool(s.get("procs"))
+        return s.status is not None and bool(s.procs)
 
-    def _readings(self, s: Sample) -> dict[tuple[str, str], tuple[str, float]]:
-        out: dict[tuple[str, str], tuple[str, float]] = {}
-        for pid, m in (s.get("procs") or {}).items():
-            out[("host_rss", pid)] = (m["role"], m["rss_mb"])
-        for g in (s.get("nvml") or {}).get("gpus", []):
-            for p in g.get("processes", []):
-                pid = str(p["pid"])
-                if pid in (s.get("procs") or {}) and p.get("used_mb") is not None:
-                    role = s["procs"][pid]["role"]
-                    key = ("gpu", pid)
-                    out[key] = (role, out.get(key, (role, 0.0))[1] + p["used_mb"])
+    def _readings(self, s: Sample) -> dict[tuple[str, int], tuple[str, float]]:
+        procs = s.procs or {}
+        out: dict[tuple[str, int], tuple[str, float]] = {}
+        for pid, m in procs.items():
+            out[("host_rss", pid)] = (m.role.value, m.rss_mb)
+        for g in s.nvml.gpus if s.nvml is not None else []:
+            for p in g.processes:
+                if p.pid in procs and p.used_mb is not None:
+                    role = procs[p.pid].role.value
+                    key = ("gpu", p.pid)
+                    out[key] = (role, (out[key][1] if key in out else 0.0) + p.used_mb)
         return out
 
     def _headroom(self, s: Sample, memory: str) -> float | None:
-        procs = s.get("procs") or {}
+        procs = s.procs or {}
         if memory == "host_rss":
             if self.cfg.host_budget_mb:
-                return self.cfg.host_budget_mb - sum(m["rss_mb"] for m in procs.values())
-            return (s.get("host") or {}).get("mem_available_mb")
-        gpus = (s.get("nvml") or {}).get("gpus", [])
+                return self.cfg.host_budget_mb - sum(m.rss_mb for m in procs.values())
+            return s.host.mem_available_mb if s.host is not None else None
+        gpus = s.nvml.gpus if s.nvml is not None else []
         if self.cfg.gpu_budget_mb:
-            used = sum(p["used_mb"] or 0 for g in gpus for p in g["processes"] if str(p["pid"]) in procs)
+            used = sum(p.used_mb or 0.0 for g in gpus for p in g.processes if p.pid in procs)
             return self.cfg.gpu_budget_mb - used
-        free = [g["mem_total_mb"] - g["mem_used_mb"] for g in gpus if g.get("mem_total_mb") is not None]
+        free = [g.mem_total_mb - g.mem_used_mb for g in gpus if g.mem_total_mb is not None and g.mem_used_mb is not None]
         return min(free) if free else None
 
     def check(self, s: Sample) -> CheckResult:
-        if not self.is_supported(s):
+        if s.status is None or not s.procs:
             return result(self.name, s, Health.UNKNOWN, "no runtime status or no service processes")
-        requests = float(s["status"]["requests_total"])
+        requests = float(s.status.requests.total)
         readings = self._readings(s)
         for key in [k for k in self.series if k not in readings]:
             del self.series[key]  # process gone (recycled): a new generation starts a new series
@@ -84,9 +84,9 @@ class DriftDetector:
             if requests - ser.start_requests < self.cfg.warmup_requests:
                 warming = True
                 continue
-            ser.pts.append((requests, float(s["t"]), mb))
-            if s["t"] - ser.judged_at >= self.cfg.drift_every:  # Theil-Sen is O(n^2): not every tick
-                ser.verdict, ser.judged_at = self._judge(s, key, ser), s["t"]
+            ser.pts.append((requests, s.t, mb))
+            if s.t - ser.judged_at >= self.cfg.drift_every:  # Theil-Sen is O(n^2): not every tick
+                ser.verdict, ser.judged_at = self._judge(s, key, ser), s.t
             verdict = ser.verdict
             if verdict is None:
                 warming = True
@@ -102,7 +102,7 @@ class DriftDetector:
             return result(self.name, s, Health.INITIALIZING, "warming up / collecting points", data=data)
         return result(self.name, s, Health.HEALTHY, "no significant growth", data=data)
 
-    def _judge(self, s: Sample, key: tuple[str, str], ser: Series) -> dict[str, Any] | None:
+    def _judge(self, s: Sample, key: tuple[str, int], ser: Series) -> dict[str, Any] | None:
         reqs = [p[0] for p in ser.pts]
         if len(ser.pts) < self.cfg.drift_min_points or max(reqs) - min(reqs) < self.cfg.drift_min_requests:
             return None
@@ -122,7 +122,7 @@ class DriftDetector:
         per_s = by_time.slope if by_time is not None else 0.0
         tto = time_to_exhaust(headroom, per_s) if significant and headroom is not None else None
         rto = time_to_exhaust(headroom, by_req.slope) if significant and headroom is not None else None
-        return {"memory": memory, "pid": int(pid), "role": ser.role, "points": len(ser.pts),
+        return {"memory": memory, "pid": pid, "role": ser.role, "points": len(ser.pts),
                 "requests_span": max(reqs) - min(reqs), "requests": reqs[-1],
                 "slope_mb_per_100": round(by_req.slope * 100, 4),
                 "ci_mb_per_100": [round(by_req.low * 100, 4), round(by_req.high * 100, 4)],
@@ -131,15 +131,15 @@ class DriftDetector:
                 "significant": significant, "time_to_oom_s": None if tto is None else round(tto, 1),
                 "requests_to_oom": None if rto is None else round(rto)}
 
-    def _findings(self, key: tuple[str, str], v: dict[str, Any]) -> list[Finding]:
+    def _findings(self, key: tuple[str, int], v: dict[str, Any]) -> list[Finding]:
         if not v["significant"]:
             return []
         k = f"{key[0]}:{key[1]}"
         cause = (f"{v['role']} (pid {v['pid']}) {v['memory']} grows {v['slope_mb_per_100']:.2f} MB/100 requests "
                  f"({v['slope_mb_per_h']:.0f} MB/h)")
-        out = [Finding("memory_drift", k, cause, PREVENTIVE, Action.NONE, dict(v))]
+        out = [Finding("memory_drift", k, cause, EndClass.PREVENTIVE, Action.NONE, dict(v))]
         tto = v["time_to_oom_s"]
         if tto is not None and tto <= self.cfg.forecast_horizon:
             out.append(Finding("memory_forecast", k, f"{cause}: out of memory in {tto / 3600:.1f} h",
-                               PREVENTIVE, Action.RECYCLE, dict(v)))
+                               EndClass.PREVENTIVE, Action.RECYCLE, dict(v)))
         return out

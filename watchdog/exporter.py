@@ -1,13 +1,22 @@
 """Prometheus exporter: `vllm_guard_*` gauges and counters on their own registry, bound to
-loopback unless configured otherwise. Updated from each tick's verdicts."""
+loopback unless configured otherwise. Updated from each tick's verdicts, the runtime's typed
+status totals, and the ledger's reliability figures (`core.reliability.service_figures`: the
+same MTBF `vllm-guard report` and `vllm-guard status` show)."""
 
 from __future__ import annotations
 
+import math
+import sqlite3
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from .base import CheckResult
+from vllm_guard.core.ledger import read_runtime
+from vllm_guard.core.reliability import ServiceFigures, service_figures
+
+from .base import CheckResult, Health, Sample
+
+HEALTH_VALUE = {Health.HEALTHY: 1, Health.UNKNOWN: -1, Health.INITIALIZING: -1}
 
 
 class Exporter:
@@ -19,47 +28,66 @@ class Exporter:
                              ["memory", "role", "pid"], registry=r)
         self.tto = Gauge("vllm_guard_time_to_oom_seconds", "forecast time to out-of-memory",
                          ["memory", "role", "pid"], registry=r)
-        self.throttle = Gauge("vllm_guard_thermal_throttle_share", "share of the window with thermal slowdown",
-                              ["gpu"], registry=r)
+        self.throttle = Gauge("vllm_guard_thermal_throttle_share",
+                              "share of the window throttled (thermal slowdown or HW power brake)", ["gpu"], registry=r)
+        self.power_cap = Gauge("vllm_guard_power_capped_share",
+                               "share of the window at the software power cap (not a throttle)", ["gpu"], registry=r)
         self.margin = Gauge("vllm_guard_thermal_margin_celsius", "slowdown threshold minus temperature",
                             ["gpu"], registry=r)
         self.drop = Gauge("vllm_guard_sm_clock_drop_percent", "SM clock below max while busy", ["gpu"], registry=r)
         self.health = Gauge("vllm_guard_detector_healthy", "1 healthy, 0 not, -1 unknown", ["detector"], registry=r)
         self.incidents = Counter("vllm_guard_incidents", "incidents recorded", ["kind"], registry=r)
-        self.actions = Counter("vllm_guard_actions", "actions taken through the admin socket",
+        self.actions = Counter("vllm_guard_actions", "actions sent through the admin socket",
                                ["action", "outcome"], registry=r)
         self.restarts = Gauge("vllm_guard_runtime_failures", "unplanned failures the runtime reports", registry=r)
         self.recycles = Gauge("vllm_guard_runtime_recycles", "recycles the runtime reports", registry=r)
-        self.mtbf = Gauge("vllm_guard_mtbf_hours", "up time / unplanned failures (ledger)", registry=r)
+        self.mtbf = Gauge("vllm_guard_mtbf_hours", "up time / unplanned events (ledger; NaN before the first)",
+                          registry=r)
+        self.mtbf_lower = Gauge("vllm_guard_mtbf_lower_bound_hours", "one-sided 90 % lower bound of the MTBF",
+                                registry=r)
+        self.availability = Gauge("vllm_guard_availability", "share of observed time in service (ledger)",
+                                  registry=r)
         self.collector_ok = Gauge("vllm_guard_collector_success", "last collection succeeded", ["collector"],
                                   registry=r)
         self.collector_s = Gauge("vllm_guard_collector_duration_seconds", "last collection time", ["collector"],
                                  registry=r)
         self.escalated = Gauge("vllm_guard_escalated", "1 when the rate limit stopped all actions", registry=r)
         self._series: set[tuple[str, str, str]] = set()
+        self.mtbf.set(math.nan)
+        self.mtbf_lower.set(math.nan)
+        self.availability.set(math.nan)
 
     def serve(self, addr: str, port: int) -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
-    def update(self, results: list[CheckResult], s: dict[str, Any]) -> None:
+    def update(self, results: list[CheckResult], s: Sample) -> None:
         for res in results:
-            self.health.labels(res.name).set({"healthy": 1, "unknown": -1, "initializing": -1}.get(res.health.value, 0))
-            if res.name == "memory_drift":
-                self._drift(res.data.get("series", []))
-            elif res.name == "thermal":
-                for g in res.data.get("gpus", []):
+            self.health.labels(res.name).set(HEALTH_VALUE.get(res.health, 0))
+            if res.name == "memory_drift" and "series" in res.data:
+                self._drift(res.data["series"])
+            elif res.name == "thermal" and "gpus" in res.data:
+                for g in res.data["gpus"]:
                     self.throttle.labels(g["uuid"]).set(g["throttle_share"])
+                    self.power_cap.labels(g["uuid"]).set(g["power_capped_share"])
                     if g["margin_c"] is not None:
                         self.margin.labels(g["uuid"]).set(g["margin_c"])
                     if g["clock_drop_pct"] is not None:
                         self.drop.labels(g["uuid"]).set(g["clock_drop_pct"])
-        for name, (ok, secs) in s.get("collectors", {}).items():
-            self.collector_ok.labels(name).set(1 if ok else 0)
-            self.collector_s.labels(name).set(secs)
-        st = s.get("status")
-        if st:
-            self.restarts.set(st.get("failures", 0))
-            self.recycles.set(len(st.get("recycles", [])))
+        for name, c in s.collectors.items():
+            self.collector_ok.labels(name).set(1 if c.ok else 0)
+            self.collector_s.labels(name).set(c.seconds)
+        if s.status is not None:
+            self.restarts.set(s.status.failures)
+            self.recycles.set(s.status.recycles)
+
+    def update_reliability(self, conn: sqlite3.Connection, now: float) -> ServiceFigures:
+        """MTBF, its lower bound and availability from the runtime's ledger tables."""
+        figs = service_figures(read_runtime(conn), now)
+        m = figs.mtbf
+        self.mtbf.set(m.mtbf_h if m is not None and m.mtbf_h is not None else math.nan)
+        self.mtbf_lower.set(m.lower_one_sided_h if m is not None else math.nan)
+        self.availability.set(figs.availability if figs.availability is not None else math.nan)
+        return figs
 
     def _drift(self, series: list[dict[str, Any]]) -> None:
         now = set()

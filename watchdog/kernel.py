@@ -12,8 +12,9 @@ import errno
 import os
 import re
 import subprocess
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 _KMSG = re.compile(r"^\d+,\d+,\d+,[^;]*;")
 _DMESG = re.compile(r"^\[\s*\d+\.\d+\]\s?")
@@ -33,24 +34,44 @@ def message(line: str) -> str:
     return line
 
 
-def parse(line: str) -> dict[str, Any] | None:
-    """An event dict for an Xid or OOM line; None for anything else."""
+@dataclass(frozen=True)
+class KernelEvent:
+    """An Xid or OOM line, parsed. `type`: xid | oom_context (the `oom-kill:` line with the
+    victim's memcg) | oom_killed (`Out of memory: Killed process N`)."""
+
+    type: Literal["xid", "oom_context", "oom_killed"]
+    line: str
+    pid: int | None = None
+    xid: int | None = None
+    pci: str | None = None
+    detail: str = ""
+    task: str | None = None
+    task_memcg: str | None = None
+    oom_memcg: str | None = None
+    constraint: str | None = None
+    memcg_oom: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse(line: str) -> KernelEvent | None:
+    """The event of an Xid or OOM line; None for anything else."""
     msg = message(line)
     m = _XID.search(msg)
     if m:
         pid = _PID.search(m.group(3))
-        return {"type": "xid", "pci": m.group(1), "xid": int(m.group(2)),
-                "pid": int(pid.group(1)) if pid else None, "detail": m.group(3), "line": msg}
+        return KernelEvent("xid", msg, pid=int(pid.group(1)) if pid else None, xid=int(m.group(2)),
+                           pci=m.group(1), detail=m.group(3))
     if "oom-kill:" in msg:
         fields = _kv(msg.split("oom-kill:", 1)[1])
-        pid = fields.get("pid", "")
-        return {"type": "oom_context", "pid": int(pid) if pid.isdigit() else None,
-                "task": fields.get("task"), "task_memcg": fields.get("task_memcg"),
-                "oom_memcg": fields.get("oom_memcg"), "constraint": fields.get("constraint"), "line": msg}
+        pid_text = fields.get("pid", "")
+        return KernelEvent("oom_context", msg, pid=int(pid_text) if pid_text.isdigit() else None,
+                           task=fields.get("task"), task_memcg=fields.get("task_memcg"),
+                           oom_memcg=fields.get("oom_memcg"), constraint=fields.get("constraint"))
     m = _KILLED.search(msg)
     if m:
-        return {"type": "oom_killed", "pid": int(m.group(2)), "task": m.group(3),
-                "memcg_oom": bool(m.group(1)), "line": msg}
+        return KernelEvent("oom_killed", msg, pid=int(m.group(2)), task=m.group(3), memcg_oom=bool(m.group(1)))
     return None
 
 
@@ -67,8 +88,9 @@ def _kv(text: str) -> dict[str, str]:
 class KernelSource:
     """Base: `poll()` returns the new lines since the last call, never blocks."""
 
-    name = "kernel"
+    name = "off"
     error = ""
+    active = False  # True for a source that can deliver lines
 
     def poll(self) -> list[str]:
         return []
@@ -79,6 +101,7 @@ class KernelSource:
 
 class KmsgSource(KernelSource):
     name = "kmsg"
+    active = True
 
     def __init__(self, path: str = "/dev/kmsg") -> None:
         self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # PermissionError: dmesg_restrict
@@ -106,6 +129,7 @@ class KmsgSource(KernelSource):
 
 class JournalSource(KernelSource):
     name = "journal"
+    active = True
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(["journalctl", "-k", "-f", "-n", "0", "-o", "cat"],
@@ -132,6 +156,7 @@ class FileSource(KernelSource):
     """Replay: hands out a kernel-log file's lines, `per_poll` at a time."""
 
     name = "replay"
+    active = True
 
     def __init__(self, path: str | Path, per_poll: int = 1000) -> None:
         self.lines = Path(path).read_text().splitlines()

@@ -11,8 +11,12 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from vllm_guard.core.config import WatchdogConfig
+from vllm_guard.core.protocol import RuntimeState
+
 from .base import Action, Finding
-from .settings import WatchdogConfig
+
+RESTARTABLE = (RuntimeState.SERVING, RuntimeState.STARTING, RuntimeState.DRAINING)
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,7 @@ class Policy:
         self.last: dict[tuple[Action, str], float] = {}
         self.escalated = False
 
-    def decide(self, f: Finding, now: float, runtime_state: str | None, held: bool) -> Decision:
+    def decide(self, f: Finding, now: float, runtime_state: RuntimeState | None, held: bool) -> Decision:
         a = f.action
         if a in (Action.NONE, Action.ALERT):
             return Decision(f, a, "record")
@@ -39,10 +43,10 @@ class Policy:
             return Decision(f, Action.NONE if held else a, "already held" if held else self._mode())
         if held:
             return Decision(f, Action.NONE, "runtime held")
-        if a is Action.RECYCLE and runtime_state != "serving":
-            return Decision(f, Action.NONE, f"runtime {runtime_state}")
-        if a is Action.RESTART and runtime_state not in ("serving", "starting", "draining"):
-            return Decision(f, Action.NONE, f"runtime {runtime_state}")
+        if a is Action.RECYCLE and runtime_state is not RuntimeState.SERVING:
+            return Decision(f, Action.NONE, f"runtime {runtime_state.value}")
+        if a is Action.RESTART and runtime_state not in RESTARTABLE:
+            return Decision(f, Action.NONE, f"runtime {runtime_state.value}")
         while self.recent and now - self.recent[0] > self.cfg.action_window:
             self.recent.popleft()
         self.escalated = len(self.recent) >= self.cfg.max_actions

@@ -32,7 +32,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .nvml import SCHEMA
+from vllm_guard.core import gpu
+from vllm_guard.core.nvml import SCHEMA
 from .trace import TraceWriter, read_trace
 
 STEP_S = 30.0
@@ -93,7 +94,8 @@ def thermal_story(meta: dict[str, Any], samples: list[dict[str, Any]]) -> tuple[
     idle, load = _phase(samples, "idle"), _phase(samples, "load")
     t_noise, p_noise = _noise(load, "temp_c"), _noise(load, "power_w")
     uuid = "GPU-4090aaaa-0000-0000-0000-000000000001"
-    out, flags = [], []
+    out: list[dict[str, Any]] = []
+    flags: list[tuple[float, bool]] = []
     n_idle, n_load = int(st["idle_s"] // STEP_S), int(st["load_s"] // STEP_S) + 1
     base_load_c = sum(float(s["gpus"][0]["temp_c"]) for s in load) / len(load)
     for i in range(n_idle + n_load):
@@ -118,7 +120,7 @@ def thermal_story(meta: dict[str, Any], samples: list[dict[str, Any]]) -> tuple[
             g.update(sm_clock_mhz=st["idle_mhz"], clock_reasons=0x1, power_w=st["idle_w"], util_pct=0,
                      mem_used_mb=480.0, processes=[])
         at = T0 + i * STEP_S
-        flags.append((at, bool(g["clock_reasons"] & 0x68)))
+        flags.append((at, gpu.throttled(g["clock_reasons"])))
         out.append({"kind": "sample", "at_s": at, "driver": meta.get("driver"), "cuda_driver": meta.get("cuda_driver"),
                     "gpus": [g], "xids": [], "error": None, "label": "load" if busy else "idle"})
     def share_at(now: float) -> float:

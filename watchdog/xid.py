@@ -5,7 +5,9 @@ unattended driver upgrade, are incidents of their own."""
 
 from __future__ import annotations
 
-from vllm_guard.runtime.ledger import UNPLANNED
+from dataclasses import dataclass
+
+from vllm_guard.core.ledger import EndClass
 
 from .base import Action, CheckResult, Finding, Health, Sample, result
 
@@ -29,6 +31,15 @@ _ACTION = {"restart_app": Action.RESTART, "gpu_reset": Action.HOLD, "reboot": Ac
            "unknown": Action.ALERT}
 
 
+@dataclass(frozen=True)
+class XidSeen:
+    xid: int
+    where: str  # PCI bus id (kernel line) or GPU UUID (NVML event)
+    pid: int | None
+    detail: str
+    line: str
+
+
 class XidDetector:
     name = "xid"
 
@@ -40,22 +51,27 @@ class XidDetector:
 
     def check(self, s: Sample) -> CheckResult:
         findings: list[Finding] = []
-        events = [e for e in s.get("kernel_events", []) if e["type"] == "xid"]
-        events += [{"xid": x["xid"], "pci": x.get("uuid"), "pid": None, "detail": "NVML Xid event",
-                    "line": f"NVML xid {x['xid']}"} for x in (s.get("nvml") or {}).get("xids", [])]
+        events = [XidSeen(e.xid, e.pci or "", e.pid, e.detail, e.line)
+                  for e in s.kernel_events if e.type == "xid" and e.xid is not None]
+        if s.nvml is not None:
+            events += [XidSeen(x.xid, x.uuid, None, "NVML Xid event", f"NVML xid {x.xid}") for x in s.nvml.xids]
         for e in events:
             self.count += 1
-            cls = catalog_class(e["xid"])
-            findings.append(Finding(f"xid_{e['xid']}", f"xid:{self.count}:{e['pci']}",
-                                    f"Xid {e['xid']} on {e['pci']} ({cls}): {e['detail'][:200]}", UNPLANNED,
-                                    _ACTION[cls], {"xid": e["xid"], "catalog": cls, "pci": e["pci"],
-                                                   "pid": e["pid"], "line": e["line"]}))
-        err = (s.get("nvml") or {}).get("error") or ""
+            cls = catalog_class(e.xid)
+            findings.append(Finding(f"xid_{e.xid}", f"xid:{self.count}:{e.where}",
+                                    f"Xid {e.xid} on {e.where} ({cls}): {e.detail[:200]}", EndClass.UNPLANNED,
+                                    _ACTION[cls], {"xid": e.xid, "catalog": cls, "pci": e.where,
+                                                   "pid": e.pid, "line": e.line}))
+        err = (s.nvml.error if s.nvml is not None else None) or ""
         if "GpuIsLost" in err or err.startswith("timeout"):
-            findings.append(Finding("gpu_lost", "nvml", f"NVML: {err}", UNPLANNED, Action.HOLD, {"error": err}))
-        if s.get("nvml_mismatch"):
+            findings.append(Finding("gpu_lost", "nvml", f"NVML: {err}", EndClass.UNPLANNED, Action.HOLD,
+                                    {"error": err}))
+        if s.nvml_mismatch:
             findings.append(Finding("nvml_mismatch", "nvml", "NVML driver/library version mismatch "
-                                    "(driver upgraded without a reboot?)", UNPLANNED, Action.ALERT, {"error": err}))
+                                    "(driver upgraded without a reboot?)", EndClass.UNPLANNED, Action.ALERT,
+                                    {"error": err}))
         if findings:
             return result(self.name, s, Health.UNHEALTHY, findings[0].cause, findings)
+        if not s.kernel_source and (s.nvml is None or not s.nvml.gpus):
+            return result(self.name, s, Health.UNKNOWN, "nothing to judge: no kernel messages and no NVML")
         return result(self.name, s, Health.HEALTHY, "no Xid")

@@ -1,4 +1,5 @@
-"""The live NVML sampler on a real GPU: every field it claims is read, a trace replays.
+"""The live NVML session on a real GPU: every field it claims is read, every sample is a valid
+`NvmlRecord`, a trace replays through the watchdog's replay with the same interface.
 
 Skipped without NVML; VLLM_GUARD_REQUIRE_GPU=1 turns the skip into a failure (the GPU box).
 """
@@ -10,18 +11,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-from vllm_guard.watchdog.nvml import FIELDS, NvmlSampler
+from vllm_guard.core.nvml import FIELDS, NvmlSession
+from vllm_guard.core.samples import NvmlRecord
 from vllm_guard.watchdog.trace import ReplayNvml, TraceWriter
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def sampler():
-    s = NvmlSampler(timeout_s=5.0)
+def sampler() -> Iterator[NvmlSession]:
+    s = NvmlSession(timeout_s=5.0)
     if not s.available:
         if os.environ.get("VLLM_GUARD_REQUIRE_GPU") == "1":
             pytest.fail(f"VLLM_GUARD_REQUIRE_GPU=1 but {s.error}")
@@ -30,9 +33,10 @@ def sampler():
     s.close()
 
 
-def test_every_claimed_field_is_read(sampler: NvmlSampler) -> None:
+def test_every_claimed_field_is_read(sampler: NvmlSession) -> None:
     rec = sampler.sample()
     assert rec["error"] is None, rec["error"]
+    NvmlRecord.model_validate(rec)  # what the watchdog and the ledger read
     assert rec["gpus"] and sampler.driver
     caps = sampler.capability_table()["gpus"]
     names = {"memory": "mem_used_mb", "temperature": "temp_c", "sm_clock": "sm_clock_mhz",
@@ -54,7 +58,7 @@ def test_every_claimed_field_is_read(sampler: NvmlSampler) -> None:
         assert g["uuid"].startswith("GPU-")
 
 
-def test_per_process_memory_of_a_real_cuda_process(sampler: NvmlSampler) -> None:
+def test_per_process_memory_of_a_real_cuda_process(sampler: NvmlSession) -> None:
     torch_ok = subprocess.run([sys.executable, "-c", "import torch; assert torch.cuda.is_available()"],
                               capture_output=True).returncode == 0
     if not torch_ok:
@@ -80,7 +84,7 @@ def test_per_process_memory_of_a_real_cuda_process(sampler: NvmlSampler) -> None
         p.wait(timeout=30)
 
 
-def test_trace_records_and_replays(sampler: NvmlSampler, tmp_path: Path) -> None:
+def test_trace_records_and_replays(sampler: NvmlSession, tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     w = TraceWriter(path, sampler.meta())
     for _ in range(3):
@@ -88,5 +92,6 @@ def test_trace_records_and_replays(sampler: NvmlSampler, tmp_path: Path) -> None
         time.sleep(0.2)
     w.close()
     r = ReplayNvml(path)
-    assert r.available and len(r.samples) == 3
-    assert [g["uuid"] for g in r.sample()["gpus"]] == [s["uuid"] for s in sampler.static]
+    assert r.available and len(r.samples) == 3 and r.names() == sampler.names()
+    assert [g.uuid for g in NvmlRecord.model_validate(r.sample()).gpus] == [s["uuid"] for s in sampler.static]
+    assert r.process_memory_mb().keys() <= {p["pid"] for g in r.samples[0]["gpus"] for p in g["processes"]}
