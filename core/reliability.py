@@ -57,66 +57,23 @@ def _h(hours: float | None) -> str:
     return f"{hours:.3g} h"
 
 
-def _gamma_p(a: float, x: float) -> float:
-    """Regularized lower incomplete gamma P(a, x): series below a + 1, continued fraction above
-    (Numerical Recipes 6.2); accurate to ~1e-15."""
-    if x <= 0.0:
-        return 0.0
-    log_front = a * math.log(x) - x - math.lgamma(a)
-    if x < a + 1.0:
-        term = total = 1.0 / a
-        n = a
-        for _ in range(100000):
-            n += 1.0
-            term *= x / n
-            total += term
-            if abs(term) < abs(total) * 1e-16:
-                break
-        return min(1.0, total * math.exp(log_front))
-    tiny = 1e-300
-    b = x + 1.0 - a
-    c, d = 1.0 / tiny, 1.0 / b
-    h = d
-    for i in range(1, 100000):
-        an = -i * (i - a)
-        b += 2.0
-        d = an * d + b
-        d = tiny if abs(d) < tiny else d
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        d = 1.0 / d
-        delta = d * c
-        h *= delta
-        if abs(delta - 1.0) < 1e-16:
-            break
-    return max(0.0, 1.0 - math.exp(log_front) * h)
-
-
-def chi2_ppf(p: float, dof: int) -> float:
-    """Quantile of the chi-square distribution (scipy.stats.chi2.ppf without scipy: importing
-    scipy.stats costs the light watchdog ~64 MB of RSS). Bisection on the CDF P(dof/2, x/2)."""
-    if not 0.0 < p < 1.0 or dof <= 0:
-        raise ValueError(f"chi2_ppf(p={p!r}, dof={dof!r}): need 0 < p < 1 and dof > 0")
-    lo, hi = 0.0, max(1.0, float(dof))
-    while _gamma_p(dof / 2.0, hi / 2.0) < p:
-        lo, hi = hi, hi * 2.0
-    for _ in range(200):
-        mid = (lo + hi) / 2.0
-        if _gamma_p(dof / 2.0, mid / 2.0) < p:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-15 * hi:
-            break
-    return (lo + hi) / 2.0
-
-
-def mtbf(up_hours: float, failures: int, confidence: float = 0.90) -> MTBF:
-    """MTBF with chi-square bounds at `confidence` (0.90 -> 90 % lower bound and 90 % interval)."""
+def mtbf(up_hours: float, failures: int, confidence: float = 0.90, bounds: bool = True) -> MTBF:
+    """MTBF with chi-square bounds at `confidence` (0.90 -> 90 % lower bound and 90 % interval).
+    `bounds=False` gives the point estimate alone (NaN bounds) without importing scipy: the
+    watchdog's exporter runs in a process that must stay light."""
     if up_hours < 0 or failures < 0:
         raise ValueError(f"up_hours={up_hours}, failures={failures}: must not be negative")
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence has value {confidence!r}: must be in (0, 1)")
+    if not bounds:
+        nan = math.nan
+        return MTBF(up_hours, failures, confidence, up_hours / failures if failures else None, nan,
+                    nan if failures else None, nan if failures else None)
+    from scipy.special import chdtri  # inverse chi-square survival: chi2.ppf(q, k) = chdtri(k, 1 - q)
+
+    def chi2_ppf(q: float, k: int) -> float:
+        return float(chdtri(k, 1.0 - q))
+
     alpha = 1.0 - confidence
     t2 = 2.0 * up_hours
     lower = float(t2 / chi2_ppf(1.0 - alpha, 2 * failures + 2))
@@ -198,8 +155,9 @@ def _failure_owner(f: FailureRow, gens: list[GenerationRow]) -> int | None:
     return best
 
 
-def service_figures(h: RuntimeHistory, now: float, confidence: float = 0.90) -> ServiceFigures:
-    """Figures for the whole ledger (all replicas) from the runtime's tables; pure."""
+def service_figures(h: RuntimeHistory, now: float, confidence: float = 0.90, bounds: bool = True) -> ServiceFigures:
+    """Figures for the whole ledger (all replicas) from the runtime's tables; pure. `bounds`
+    as in `mtbf()`."""
     gens = h.generations
     if not gens:
         return ServiceFigures(False, "no generations in this ledger (the runtime did not write here)")
@@ -266,7 +224,7 @@ def service_figures(h: RuntimeHistory, now: float, confidence: float = 0.90) -> 
         up_h=round(up_s / 3600, 4), down_h=round((planned_down + unplanned_down) / 3600, 4),
         downtime_planned_s=round(planned_down, 1), downtime_unplanned_s=round(unplanned_down, 1),
         availability=availability(up_s, planned_down + unplanned_down),
-        generations=len(gens), failures_unplanned=len(out_events), mtbf=mtbf(up_s / 3600.0, len(out_events), confidence),
+        generations=len(gens), failures_unplanned=len(out_events), mtbf=mtbf(up_s / 3600.0, len(out_events), confidence, bounds),
         mttr_s=round(sum(restores) / len(restores), 1) if restores else None,
         unplanned_events=out_events, reboots=reboots,
         recycles_scheduled=sum(1 for x in planned if x.cls == "scheduled"),

@@ -43,8 +43,6 @@ class Exporter:
         self.recycles = Gauge("vllm_guard_runtime_recycles", "recycles the runtime reports", registry=r)
         self.mtbf = Gauge("vllm_guard_mtbf_hours", "up time / unplanned events (ledger; NaN before the first)",
                           registry=r)
-        self.mtbf_lower = Gauge("vllm_guard_mtbf_lower_bound_hours", "one-sided 90 % lower bound of the MTBF",
-                                registry=r)
         self.availability = Gauge("vllm_guard_availability", "share of observed time in service (ledger)",
                                   registry=r)
         self.collector_ok = Gauge("vllm_guard_collector_success", "last collection succeeded", ["collector"],
@@ -54,7 +52,6 @@ class Exporter:
         self.escalated = Gauge("vllm_guard_escalated", "1 when the rate limit stopped all actions", registry=r)
         self._series: set[tuple[str, str, str]] = set()
         self.mtbf.set(math.nan)
-        self.mtbf_lower.set(math.nan)
         self.availability.set(math.nan)
 
     def serve(self, addr: str, port: int) -> None:
@@ -81,11 +78,11 @@ class Exporter:
             self.recycles.set(s.status.recycles)
 
     def update_reliability(self, conn: sqlite3.Connection, now: float) -> ServiceFigures:
-        """MTBF, its lower bound and availability from the runtime's ledger tables."""
-        figs = service_figures(read_runtime(conn), now)
+        """MTBF and availability from the runtime's ledger tables. The confidence bounds need
+        scipy, which this light process does not load: `vllm-guard report` gives them."""
+        figs = service_figures(read_runtime(conn), now, bounds=False)
         m = figs.mtbf
         self.mtbf.set(m.mtbf_h if m is not None and m.mtbf_h is not None else math.nan)
-        self.mtbf_lower.set(m.lower_one_sided_h if m is not None else math.nan)
         self.availability.set(figs.availability if figs.availability is not None else math.nan)
         return figs
 
