@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 
 BIN = Path(sys.executable).parent
-GUARD = [str(BIN / "vllm-guard")] if (BIN / "vllm-guard").exists() else [sys.executable, "-m", "vllm_guard.runtime"]
+GUARD = [str(BIN / "vllm-guard")] if (BIN / "vllm-guard").exists() else [sys.executable, "-m", "vllm_guard.cli"]
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"]
 WORDS = "alpha beta gamma delta river stone cloud light north paper green seven".split()
 
@@ -83,8 +83,9 @@ class Server:
         self.log.close()
 
     def injected(self, event: str) -> list[dict[str, Any]]:
-        p = self.state / "patches" / "gen-1" / "inject.jsonl"
-        return [r for r in map(json.loads, p.read_text().splitlines()) if r.get("event") == event] if p.exists() else []
+        from vllm_guard.core.plugin import injected
+
+        return [r for r in injected(self.state, 1) if r.get("event") == event]
 
 
 def body(model: str, rng: random.Random, max_tokens: int, words: int, stream: bool = True) -> dict[str, Any]:
