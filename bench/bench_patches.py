@@ -83,8 +83,9 @@ class Server:
         self.log.close()
 
     def injected(self, event: str) -> list[dict[str, Any]]:
-        p = self.state / "patches" / "gen-1" / "inject.jsonl"
-        return [r for r in map(json.loads, p.read_text().splitlines()) if r.get("event") == event] if p.exists() else []
+        from vllm_guard.core.plugin import injected
+
+        return [r for r in injected(self.state, 1) if r.get("event") == event]
 
 
 def body(model: str, rng: random.Random, max_tokens: int, words: int, stream: bool = True) -> dict[str, Any]:

@@ -46,10 +46,11 @@ def nvml_used_mb(pid: int) -> float | None:
 
 
 def records(srv: Server, name: str, event: str) -> list[dict[str, Any]]:
-    p = srv.state / "patches" / "gen-1" / name
-    if not p.exists():
-        return []
-    return [r for r in map(json.loads, p.read_text().splitlines()) if r.get("event") == event]
+    """`inject.jsonl` or `events.jsonl` of generation 1, read with the runtime's reader."""
+    from vllm_guard.core import plugin as contract
+
+    read = {contract.INJECT: contract.injected, contract.EVENTS: contract.events}[name]
+    return [r for r in read(srv.state, 1) if r.get("event") == event]
 
 
 def main() -> int:

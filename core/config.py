@@ -12,6 +12,7 @@ A field's constraints sit in its metadata (`min`, `max`, `gt`, `choices`, `patte
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import functools
 import math
 import re
@@ -62,8 +63,12 @@ def parse_duration(value: Any, key: str = "duration") -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """The inverse for writing TOML back: `90s`."""
-    return f"{seconds:g}s"
+    """The inverse for writing TOML back: `90s`, `1209600s`, `0.25s` (never an exponent, which
+    `parse_duration` would refuse: `f"{1209600.0:g}"` is `1.2096e+06`)."""
+    text = format(decimal.Decimal(repr(float(seconds))), "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return f"{text}s"
 
 
 def _f(default: Any, **meta: Any) -> Any:

@@ -1,6 +1,7 @@
-"""vllm-guard patches: a version-gated vLLM general plugin, its runtime hooks, fault injection.
+"""vllm-guard patches: a version-gated vLLM general plugin, its engine hooks, fault injection.
 
-Importing this package (or `hooks`) never imports vLLM or torch; `register()` does, lazily.
+Importing this package never imports vLLM or torch; `register()` does, lazily. The runtime's
+side of the contract (child env, report files) is `vllm_guard.core.plugin`.
 """
 
 from __future__ import annotations

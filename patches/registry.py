@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 ROLES = ("api_server", "engine_core", "worker")
 
@@ -203,7 +204,7 @@ def tree_version(root: Path) -> str:
     return m.group(1) if m else "unknown"
 
 
-def evaluate(defn: PatchDef, version: str, check) -> str | None:  # type: ignore[no-untyped-def]
+def evaluate(defn: PatchDef, version: str, check: Callable[[Target], str | None]) -> str | None:
     """The skip reason for one patch (version, then every target), or None if it would apply."""
     if not in_range(version, defn.min_version, defn.max_version):
         return f"vLLM {version} outside [{defn.min_version}, {defn.max_version})"

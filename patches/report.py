@@ -1,31 +1,20 @@
-"""The plugin's own channel to the runtime: per-process JSON reports and JSONL event files.
+"""The plugin's writer side of the report channel (the reader is `vllm_guard.core.plugin`).
 
-Layout under the state dir (one folder per generation, so a recycle never mixes reports):
-  patches/gen-<N>/<pid>.json   one per vLLM process, rewritten atomically (tmp + rename)
-  patches/gen-<N>/events.jsonl patch events (orphans reclaimed, idle releases)
-  patches/gen-<N>/inject.jsonl what the fault injector did (tests compare guards against it)
-No vLLM or torch here: the runtime reads these files.
+The layout (one folder per generation, `<pid>.json` per process, `events.jsonl`,
+`inject.jsonl`) and the env variables that name it are core.plugin's constants, so writer and
+reader cannot drift apart. No vLLM or torch here; nothing here raises into vLLM except
+OSError, which the callers catch and log.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping
 
-EVENTS = "events.jsonl"
-INJECT = "inject.jsonl"
-
-
-def utcnow() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def gen_dir(state_dir: str | Path, generation: int) -> Path:
-    return Path(state_dir) / "patches" / f"gen-{int(generation)}"
+from vllm_guard.core import plugin as contract
+from vllm_guard.core.timefmt import utcnow
 
 
 def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
@@ -47,80 +36,31 @@ def append_jsonl(path: Path, record: Mapping[str, Any]) -> None:
         os.close(fd)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete line; a torn last line (process killed mid-write) is skipped."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def read_reports(state_dir: str | Path, generation: int) -> dict[str, dict[str, Any]]:
-    """{pid: report} for the generation's processes; dead processes are marked, not dropped."""
-    d = gen_dir(state_dir, generation)
-    out: dict[str, dict[str, Any]] = {}
-    if not d.is_dir():
-        return out
-    for p in sorted(d.glob("*.json")):
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        pid = p.stem
-        data["alive"] = pid.isdigit() and _alive(int(pid))
-        out[pid] = data
-    return out
-
-
-def summarize_events(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals for status: orphans reclaimed, idle releases and bytes, last event."""
-    reclaimed = [r for r in records if r.get("event") == "orphans_reclaimed"]
-    releases = [r for r in records if r.get("event") == "idle_release"]
-    return {
-        "orphan_events": len(reclaimed),
-        "orphan_blocks_reclaimed": sum(len(r.get("block_ids", [])) for r in reclaimed),
-        "idle_releases": len(releases),
-        "idle_released_bytes": sum(int(r.get("released_bytes", 0)) for r in releases),
-        "last": records[-1] if records else None,
-    }
+def generation_of(env: Mapping[str, str]) -> int:
+    """The generation the runtime gave this process; 0 when unset or not a number (plain vLLM)."""
+    text = env.get(contract.GENERATION_VAR, "").strip()
+    return int(text) if text.isdigit() else 0
 
 
 class Channel:
     """A vLLM process's writer; a no-op when the runtime gave no state dir (plain `vllm serve`)."""
 
-    def __init__(self, state_dir: str | None, generation: str | None) -> None:
-        self.dir = gen_dir(state_dir, int(generation or 0)) if state_dir else None
-        self.started = time.time()
+    def __init__(self, state_dir: str | None, generation: int) -> None:
+        self.dir = contract.gen_dir(state_dir, generation) if state_dir else None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Channel:
-        return cls(env.get("VLLM_GUARD_STATE_DIR"), env.get("VLLM_GUARD_GENERATION"))
+        return cls(env.get(contract.STATE_DIR_VAR) or None, generation_of(env))
 
     def report(self, data: Mapping[str, Any]) -> None:
+        """This process's report (`PatchProcessReport` JSON), replaced atomically."""
         if self.dir is not None:
             write_json_atomic(self.dir / f"{os.getpid()}.json", data)
 
     def event(self, record: Mapping[str, Any]) -> None:
         if self.dir is not None:
-            append_jsonl(self.dir / EVENTS, record)
+            append_jsonl(self.dir / contract.EVENTS, record)
 
     def inject(self, record: Mapping[str, Any]) -> None:
         if self.dir is not None:
-            append_jsonl(self.dir / INJECT, record)
+            append_jsonl(self.dir / contract.INJECT, record)

@@ -13,15 +13,14 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_guard.runtime import config as rc
+from vllm_guard.core.config import GuardConfig, InstallConfig
+from vllm_guard.core.errors import ConfigError
 
 from . import render as R
-from .settings import InstallSettings, to_table
 
 MANIFEST = f"{R.ETC}/installed.json"
 
@@ -40,41 +39,7 @@ class Plan:
         return R.under(self.root, p)
 
 
-def server_table(raw: dict[str, Any], model: str, host: str | None, port: int | None,
-                 layout: R.Layout, group: str) -> dict[str, Any]:
-    """[server] from the base config with the installer's values (state dir, admin group) set."""
-    server = dict(raw.get("server", {}))
-    if model:
-        server["model"] = model
-    if host:
-        server["host"] = host
-    if port:
-        server["port"] = port
-    server["state_dir"] = layout.state_dir
-    server["admin_group"] = group
-    return server
-
-
-def guard_config(raw: dict[str, Any], server: dict[str, Any], settings: InstallSettings) -> dict[str, Any]:
-    data: dict[str, Any] = {"server": server}
-    for section, table in raw.items():
-        if section not in ("server", "install"):
-            data[section] = table
-    data["install"] = to_table(settings)
-    return data
-
-
-def validated(text: str) -> rc.GuardConfig:
-    """Load the text we are about to write exactly as `serve` will: a bad config fails now."""
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(text)
-    try:
-        return rc.validate(rc.load(f.name))
-    finally:
-        os.unlink(f.name)
-
-
-def stop_timeout(cfg: rc.GuardConfig) -> float:
+def stop_timeout(cfg: GuardConfig) -> float:
     """Drain, stop and memory release, plus a margin: systemd must never SIGKILL a draining runtime."""
     s = cfg.server
     return s.drain_timeout + s.stop_timeout + s.memory_release_timeout + 30.0
@@ -86,11 +51,11 @@ def read_manifest(root: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {"files": [], "units": [], "instances": []}
     except ValueError as e:
-        raise rc.ConfigError(f"manifest {MANIFEST} is not valid JSON: {e}") from e
+        raise ConfigError(f"manifest {MANIFEST} is not valid JSON: {e}") from e
 
 
 def plan_install(root: Path, live: bool, layout: R.Layout, config_text: str, env: dict[str, str],
-                 units: dict[str, str], settings: InstallSettings, start_watchdog: bool,
+                 units: dict[str, str], settings: InstallConfig, start_watchdog: bool,
                  force_config: bool) -> Plan:
     plan = Plan(root=root, live=live)
     for name, text in units.items():

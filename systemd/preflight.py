@@ -13,14 +13,18 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_guard.core.errors import EXIT_USAGE, GuardError
+
 try:
     import pynvml
 except ImportError:  # pragma: no cover - a base dependency
-    pynvml = None  # type: ignore[assignment]
+    pynvml = None
 
 
-class PreflightError(Exception):
-    """A check failed; the message is the one line the operator sees."""
+class PreflightError(GuardError):
+    """A check failed; the message is the one line the operator sees (exit 2: nothing was done)."""
+
+    exit_code = EXIT_USAGE
 
 
 @dataclass

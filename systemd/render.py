@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .settings import InstallSettings
+from vllm_guard.core.config import InstallConfig
 
 ETC = "/etc/vllm-guard"
 UNIT_DIR = "/etc/systemd/system"
@@ -99,7 +99,7 @@ def protect_home(paths: list[str]) -> tuple[str, str]:
     return "yes", "yes: nothing this service runs lives under /home, /root or /run/user"
 
 
-def base_context(settings: InstallSettings, bin_path: str, timeout_stop: float,
+def base_context(settings: InstallConfig, bin_path: str, timeout_stop: float,
                  extra_paths: list[str]) -> dict[str, str]:
     """Placeholders shared by every unit (not those that depend on the instance)."""
     ph, why = protect_home([bin_path, sys.prefix, sys.base_prefix, *extra_paths])
@@ -153,7 +153,7 @@ def render_units(base: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def sysusers(settings: InstallSettings) -> str:
+def sysusers(settings: InstallConfig) -> str:
     """sysusers.d(5): the runtime user and group, the watchdog user (no login, no home of its own)."""
     return (
         "# Written by `vllm-guard install`; `systemd-sysusers` creates these (kept on uninstall).\n"

