@@ -16,14 +16,14 @@ from typing import Any, Iterator
 import pytest
 
 from conftest import GUARD, free_port
-from vllm_guard.soak.arrivals import Schedule
+from vllm_guard.loadgen.arrivals import Schedule
 
 
 class Upstream:
     def __init__(self, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "vllm_guard.soak.upstream", "--port", str(self.port), *args])
+        self.proc = subprocess.Popen([sys.executable, "-m", "vllm_guard.loadgen.upstream", "--port", str(self.port), *args])
         end = time.monotonic() + 30
         while time.monotonic() < end:
             try:

@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 
 from conftest import GUARD, VLLM_ARGS, GuardServer
-from vllm_guard.soak.arrivals import Schedule
+from vllm_guard.loadgen.arrivals import Schedule
 
 pytestmark = pytest.mark.slow
 
