@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-GUARD = [sys.executable, "-m", "vllm_guard.runtime"]  # no console script needed (the device installs with --target)
+GUARD = [sys.executable, "-m", "vllm_guard.cli"]  # no console script needed (the device installs with --target)
 VLLM_BENCH = (
     "import sys\n"
     "from vllm.benchmarks.serve import add_cli_args, main\n"
