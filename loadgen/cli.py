@@ -207,6 +207,7 @@ def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def cmd_soak(args: argparse.Namespace, _: list[str]) -> int:
+    from vllm_guard.core import ledger
     from vllm_guard.core.ledger import LedgerError
 
     from .params import SoakParams
@@ -223,6 +224,8 @@ def cmd_soak(args: argparse.Namespace, _: list[str]) -> int:
     else:
         params, db, note = build_params(args, c)
     try:
+        if Path(db).exists():  # never add our tables to someone else's SQLite file
+            ledger.open_readonly(db).close()
         store = SoakStore(db)
     except LedgerError as e:
         raise UsageError(f"--db: {e}") from e

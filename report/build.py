@@ -35,18 +35,15 @@ def _patch_states(d: ledgerread.LedgerData) -> dict[str, Any] | None:
     return out or None
 
 
-def ledger_label(svc: ServiceFigures, meta: dict[str, Any]) -> str:
+def ledger_label(svc: ServiceFigures, meta: ledgerread.WatchdogMeta) -> str:
     """GPU name(s), then the watchdog's profile and memory budget when it recorded them: two
     budgets emulated on one GPU (or two cards of one model) stay apart in `--compare`."""
-    wd_names = meta.get("watchdog.gpu_names")
-    names = svc.gpu_names or ([str(n) for n in wd_names] if isinstance(wd_names, list) else [])
+    names = svc.gpu_names or list(meta.gpu_names)
     parts = [" / ".join(names) if names else ("no GPU" if svc.present else "no runtime data")]
-    profile = meta.get("watchdog.gpu_profile")
-    if profile:
-        parts.append(f"profile {profile}")
-    budget = meta.get("watchdog.gpu_budget_mb")
-    if isinstance(budget, (int, float)) and budget:
-        parts.append(f"{float(budget) / 1024:g} GiB budget")
+    if meta.gpu_profile:
+        parts.append(f"profile {meta.gpu_profile}")
+    if meta.gpu_budget_mb:
+        parts.append(f"{meta.gpu_budget_mb / 1024:g} GiB budget")
     return " · ".join(parts)
 
 
@@ -57,6 +54,8 @@ def _samples_section(d: ledgerread.LedgerData) -> dict[str, Any]:
     elif p.bad:
         note = (f"{p.bad} of {p.rows} watchdog sample ticks do not match the sample schema and were not used "
                 f"(a watchdog of another version?); first: {p.first}")
+    elif d.meta_problems.bad:
+        note = f"watchdog meta rows that do not match and were not used: {d.meta_problems.first}"
     elif not d.ticks:
         note = "no watchdog samples (table empty)"
     else:
@@ -80,9 +79,8 @@ def build(d: ledgerread.LedgerData, confidence: float = 0.90, now: float | None 
     ends = d.requests.get("ended_at", np.array([]))
     sp = d.status_problems
     return {
-        "schema": SCHEMA, "generated_at": utcnow(), "ledger": d.path, "label": ledger_label(svc, d.meta),
-        "profile": {"gpu_profile": d.meta.get("watchdog.gpu_profile"),
-                    "gpu_budget_mb": d.meta.get("watchdog.gpu_budget_mb")},
+        "schema": SCHEMA, "generated_at": utcnow(), "ledger": d.path, "label": ledger_label(svc, d.watchdog_meta),
+        "profile": {"gpu_profile": d.watchdog_meta.gpu_profile, "gpu_budget_mb": d.watchdog_meta.gpu_budget_mb},
         "service": svc.to_dict(),
         "incidents": incidents, "leak": leak,
         "watchdog_samples": _samples_section(d),

@@ -88,6 +88,16 @@ class SoakSample:
     host_available_mb: float | None
 
 
+@dataclass(frozen=True)
+class WatchdogMeta:
+    """The `watchdog.<key>` rows of `meta` (JSON values) the watchdog records at start: what
+    `--compare` labels a ledger by. All absent without a watchdog."""
+
+    gpu_profile: str | None = None
+    gpu_budget_mb: float | None = None
+    gpu_names: tuple[str, ...] = ()
+
+
 @dataclass
 class LedgerData:
     path: str
@@ -101,7 +111,8 @@ class LedgerData:
     runs: list[SoakRun] = field(default_factory=list)
     requests: dict[str, np.ndarray] = field(default_factory=dict)  # numeric columns
     errors: list[str | None] = field(default_factory=list)  # the error column, row-aligned
-    meta: dict[str, Any] = field(default_factory=dict)  # `meta` rows, JSON values decoded
+    watchdog_meta: WatchdogMeta = field(default_factory=WatchdogMeta)
+    meta_problems: Problems = field(default_factory=Problems)
 
 
 def _ticks(conn: sqlite3.Connection, problems: Problems) -> list[Tick]:
@@ -144,14 +155,32 @@ def _soak_status(conn: sqlite3.Connection, problems: Problems) -> list[SoakStatu
     return out
 
 
-def _meta(conn: sqlite3.Connection) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in conn.execute("SELECT key, value FROM meta"):
+_META_TYPES: dict[str, tuple[type, ...]] = {"gpu_profile": (str,), "gpu_budget_mb": (int, float), "gpu_names": (list,)}
+
+
+def _meta_ok(name: str, v: Any) -> bool:
+    if name == "gpu_names":
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+    return isinstance(v, _META_TYPES[name]) and not isinstance(v, bool)
+
+
+def _watchdog_meta(conn: sqlite3.Connection, problems: Problems) -> WatchdogMeta:
+    found: dict[str, Any] = {}
+    for key, value in conn.execute("SELECT key, value FROM meta WHERE key LIKE 'watchdog.%'"):
+        name = str(key).removeprefix("watchdog.")
+        if name not in _META_TYPES:
+            continue  # a newer watchdog's key: not ours to read
+        problems.rows += 1
         try:
-            out[str(key)] = json.loads(value)
-        except ValueError:
-            out[str(key)] = value
-    return out
+            v: Any = json.loads(value)
+        except ValueError as e:
+            problems.add(f"meta {key}", e)
+            continue
+        if not _meta_ok(name, v):
+            problems.add(f"meta {key}", ProtocolError(f"value {v!r} is not {'/'.join(t.__name__ for t in _META_TYPES[name])}"))
+            continue
+        found[name] = tuple(v) if name == "gpu_names" else float(v) if name == "gpu_budget_mb" else v
+    return WatchdogMeta(**found)
 
 
 def _requests(conn: sqlite3.Connection, d: LedgerData) -> None:
@@ -175,7 +204,8 @@ def load(path: str | Path, run_id: int | None = None) -> LedgerData:
     p = ledger.db_path(path)
     try:
         t = ledger.tables(conn)
-        d = LedgerData(path=str(p), runtime=ledger.read_runtime(conn), meta=_meta(conn))
+        d = LedgerData(path=str(p), runtime=ledger.read_runtime(conn))
+        d.watchdog_meta = _watchdog_meta(conn, d.meta_problems)
         if "incidents" in t:
             d.incidents = [Incident(*r) for r in conn.execute(
                 "SELECT kind, cause, class, detected_at, action, restored_at FROM incidents ORDER BY id")]
