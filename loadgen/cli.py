@@ -155,7 +155,15 @@ def build_params(args: argparse.Namespace, c: SoakConfig) -> tuple[SoakParams, s
 
     sdir, named = state_dir(c, args.config)
     sample = named or socket_path(sdir).exists()  # an unnamed state dir only where a guard runs
-    port = _status_check(sdir) if sample or not c.url else None
+    port = None
+    if sample or not c.url:
+        try:
+            port = _status_check(sdir)
+        except UsageError as e:
+            if named or not c.url:
+                raise
+            print(f"note: not sampling the guard at {sdir}: {e}", file=sys.stderr)
+            sample = False
     url = c.url
     if not url:
         if port is None:
