@@ -232,8 +232,9 @@ def cmd_soak(args: argparse.Namespace, _: list[str]) -> int:
     else:
         params, db, note = build_params(args, c)
     try:
-        if Path(db).exists():  # never add our tables to someone else's SQLite file
-            ledger.open_readonly(db).close()
+        f = ledger.db_path(db)
+        if f.is_file() and f.stat().st_size > 0:  # never add our tables to someone else's file (empty: new)
+            ledger.open_readonly(f).close()
         store = SoakStore(db)
     except LedgerError as e:
         raise UsageError(f"--db: {e}") from e

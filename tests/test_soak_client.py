@@ -119,6 +119,7 @@ def test_kill_9_and_resume_account_for_every_request_id(upstream_factory: Any, t
     up = upstream_factory("--chunks", "20", "--chunk-delay", "0.03")  # 0.6 s per request
     db = tmp_path / "l.sqlite"
     args = ("--output-tokens", "20", "--rate", "25", "--duration", "8s", "--seed", "11")
+    db.touch()  # an empty file (as a reader's sqlite3.connect leaves it) is a new ledger, not a foreign one
     p = subprocess.Popen(soak_cmd(up.url, db, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_rows(db, 25)
     p.send_signal(signal.SIGKILL)
