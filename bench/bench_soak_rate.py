@@ -1,6 +1,6 @@
 """The highest request rate the soak client sustains with correct timing.
 
-Against the synthetic upstream (`vllm_guard.soak.upstream`, 4 chunks per answer, no delay) on the
+Against the synthetic upstream (`vllm_guard.loadgen.upstream`, 4 chunks per answer, no delay) on the
 same box, the soak runs `--seconds` at each rate; timing is correct when the send lag (actual
 send - scheduled send, from the ledger) has p99 <= `--max-lag-p99-ms` and every scheduled
 request was sent and answered. Prints one line per rate and the highest passing rate.
@@ -70,7 +70,7 @@ def main() -> int:
     p.add_argument("--json")
     a = p.parse_args()
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "vllm_guard.soak.upstream", "--port", str(port), "--chunks", "4"])
+    up = subprocess.Popen([sys.executable, "-m", "vllm_guard.loadgen.upstream", "--port", str(port), "--chunks", "4"])
     url = f"http://127.0.0.1:{port}"
     tmp = Path(tempfile.mkdtemp(prefix="bench-rate-"))
     try:

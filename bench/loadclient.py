@@ -1,16 +1,23 @@
 """Closed-loop streaming client shared by the runtime benchmarks (TTFT, E2E, throughput).
 
-Runs in its own process so its CPU use does not sit in the proxy's event loop.
+Runs in its own process so its CPU use does not sit in the proxy's event loop. Each request
+goes through `vllm_guard.core.stream.stream_completion`, the soak's client: TTFT is the first
+chunk with a choice, a request is good when it ends with `[DONE]` and no error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from vllm_guard.core.stream import stream_completion
+
+_IDS = itertools.count()
 
 
 @dataclass
@@ -23,7 +30,7 @@ class RunResult:
     ttft_s: list[float] = field(default_factory=list)
     e2e_s: list[float] = field(default_factory=list)
     generations: dict[str, int] = field(default_factory=dict)
-    first_by_generation: dict[str, float] = field(default_factory=dict)  # wall clock of 1st byte
+    first_by_generation: dict[str, float] = field(default_factory=dict)  # wall clock of the 1st chunk
 
     @property
     def req_per_s(self) -> float:
@@ -34,34 +41,22 @@ class RunResult:
         return self.chunks / self.wall_s if self.wall_s else 0.0
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, body: dict, res: RunResult) -> None:
-    t0 = time.perf_counter()
-    ttft = None
-    chunks, done = 0, False
-    try:
-        async with session.post(url + "/v1/completions", json=body) as r:
-            gen = r.headers.get("X-Vllm-Guard-Generation", "direct")
-            if gen not in res.first_by_generation:
-                res.first_by_generation[gen] = time.time()
-            async for line in r.content:
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                if line.startswith(b"data: [DONE]"):
-                    done = True
-                elif line.startswith(b"data: {"):
-                    chunks += 1
-            ok = r.status == 200 and done
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        ok = False
-        gen = "error"
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict, res: RunResult,
+                      timeout_s: float = 1800.0) -> None:
+    wall0, mono0 = time.time(), time.monotonic()
+    r, t_send = await stream_completion(session, url, {**body, "stream": True},
+                                        f"bench-{res.label}-{next(_IDS)}", timeout_s)
+    gen = "error" if r.status == 0 else str(r.generation) if r.generation is not None else "direct"
+    if r.ttft_s is not None and gen not in res.first_by_generation:
+        res.first_by_generation[gen] = wall0 + (t_send - mono0) + r.ttft_s
     res.requests += 1
     res.generations[gen] = res.generations.get(gen, 0) + 1
-    if not ok:
+    if r.error is not None:
         res.failed += 1
         return
-    res.chunks += chunks
-    res.ttft_s.append(ttft or 0.0)
-    res.e2e_s.append(time.perf_counter() - t0)
+    res.chunks += r.chunks
+    res.ttft_s.append(r.ttft_s or 0.0)
+    res.e2e_s.append(r.e2e_s or 0.0)
 
 
 async def run(url: str, model: str, total: int, concurrency: int, max_tokens: int, label: str,
@@ -77,7 +72,7 @@ async def run(url: str, model: str, total: int, concurrency: int, max_tokens: in
         async def worker() -> None:
             while not queue.empty():
                 queue.get_nowait()
-                await one_request(s, url, body, res)
+                await one_request(s, url, body, res, 600.0)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

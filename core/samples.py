@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .protocol import Role
+from .protocol import PatchProcessReport, RequestCounters, Role, RuntimeState, StatusSnapshot
 
 SAMPLES_SCHEMA = 1
 NVML_SCHEMA = 1
@@ -120,3 +120,25 @@ class Tick(_Record):
     @classmethod
     def from_sources(cls, at: str, sources: dict[str, Any]) -> Tick:
         return cls.model_validate({"at": at, **sources})
+
+
+class SoakStatusRecord(_Record):
+    """What the load generator keeps of the runtime's status in `soak_status.data` (JSON), once
+    per generation and every minute: the counters and the patch states the report lists. The
+    load generator writes it, the report reads it; both through this model."""
+
+    state: RuntimeState
+    generation: int
+    requests: RequestCounters
+    failures: int
+    recycles: int
+    model: str
+    vllm_version: str
+    gpu_name: str | None
+    patches: dict[str, PatchProcessReport]  # pid -> the plugin's report of that process
+
+    @classmethod
+    def from_snapshot(cls, st: StatusSnapshot) -> SoakStatusRecord:
+        return cls(state=st.state, generation=st.generation, requests=st.requests, failures=st.failures,
+                   recycles=st.recycles, model=st.model, vllm_version=st.vllm_version, gpu_name=st.gpu_name,
+                   patches=dict(st.patches))

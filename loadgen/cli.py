@@ -1,4 +1,9 @@
-"""`vllm-guard soak` and `vllm-guard report`: argument parsing and wiring, nothing more."""
+"""`vllm-guard soak`: argument parsing and wiring, nothing more.
+
+Settings come from `[soak]` of `--config` (core.config.SoakConfig, the file validated whole),
+then the flags, through the same coercion. Heavy modules (aiohttp, numpy, psutil, pydantic)
+are imported inside the handler, so `vllm-guard --help` stays fast.
+"""
 
 from __future__ import annotations
 
@@ -6,186 +11,246 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, TypeVar
 
-import aiohttp
+from vllm_guard.core.errors import ConfigError, ProtocolError, UsageError
 
-from vllm_guard.runtime import admin
-from vllm_guard.runtime.config import ConfigError, load, parse_duration
+from .scenarios import PRESETS
 
-from .scenarios import PRESETS, scenario, validate_section
+if TYPE_CHECKING:
+    from vllm_guard.core.config import SoakConfig
+
+    from .params import SoakParams
 
 Handler = Callable[[argparse.Namespace, list[str]], int]
+T = TypeVar("T")
+
+# flags that override [soak] keys of the same name
+SOAK_FLAGS = ("url", "scenario", "duration", "rate", "burstiness", "concurrency", "db", "seed", "mode", "timeout",
+              "prompt_tokens", "output_tokens", "model", "state_dir", "sample_interval")
 
 
 def add_commands(sub: Any) -> dict[str, Handler]:
-    s = sub.add_parser("soak", help="open-loop soak against a server; results streamed to the ledger")
-    s.add_argument("--config", help="guard.toml ([soak] section)")
-    s.add_argument("--url", help="server URL (default: the guard of --state-dir)")
-    s.add_argument("--scenario", choices=[*PRESETS, "custom"], default=None)
+    s = sub.add_parser("soak", help="open-loop load against a server; every result streamed to the ledger",
+                       description="Open-loop soak: requests on a seeded schedule, each result written to the "
+                                   "ledger as it ends; a killed soak continues with --resume.")
+    s.add_argument("--config", help="guard.toml: its [soak] section gives defaults for these flags")
+    s.add_argument("--url", help="server URL (default: the guard of the state dir)")
+    s.add_argument("--scenario", choices=[*PRESETS, "custom"], default=None,
+                   help="prompt/output tokens and concurrency: S1 512/256/1, S2 8192/1024/4, S3 65536/512/1, "
+                        "S4 2048/512/32, scaled to the model's context; custom needs the token flags (default S1)")
     s.add_argument("--duration", default=None, help="run time, e.g. 30m, 24h (default 10m)")
-    s.add_argument("--rate", type=float, default=None, help="mean requests/s (default: closed loop at --concurrency)")
-    s.add_argument("--burstiness", type=float, default=None, help="gamma shape; 1 = Poisson")
-    s.add_argument("--mode", choices=["steady", "burst"], default=None)
-    s.add_argument("--burst-period", default="60s")
-    s.add_argument("--burst-duty", type=float, default=0.25)
-    s.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
-    s.add_argument("--prompt-tokens", type=int, default=None)
-    s.add_argument("--output-tokens", type=int, default=None)
+    s.add_argument("--rate", type=float, default=None,
+                   help="mean requests per second (default: a closed loop at --concurrency)")
+    s.add_argument("--burstiness", type=float, default=None,
+                   help="gamma shape of the gaps between arrivals; 1 = Poisson (default 1)")
+    s.add_argument("--mode", choices=["steady", "burst"], default=None,
+                   help="burst: the same mean rate packed into on-windows (default steady)")
+    s.add_argument("--burst-period", default="60s", help="burst mode: period of the on-window (default 60s)")
+    s.add_argument("--burst-duty", type=float, default=0.25,
+                   help="burst mode: share of each period that sends, in (0, 1] (default 0.25)")
+    s.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight (default: the preset's)")
+    s.add_argument("--prompt-tokens", type=int, default=None, help="prompt length in tokens (default: the preset's)")
+    s.add_argument("--output-tokens", type=int, default=None, help="output length in tokens (default: the preset's)")
     s.add_argument("--requests", type=int, default=None, help="stop after this many requests")
     s.add_argument("--fixed-span", action="store_true",
                    help="with --requests N: scale arrivals so the N-th is sent at N/rate (as vllm bench serve)")
-    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--seed", type=int, default=None, help="seed of the schedule and the prompts (default 0)")
     s.add_argument("--tokenizer", default=None,
                    help="send prompts as text (these token ids decoded with this tokenizer), so the server "
                         "tokenizes them as it does real traffic and `vllm bench serve`'s; default: token ids")
     s.add_argument("--timeout", default=None, help="per-request timeout (default 10m)")
-    s.add_argument("--model", default=None, help="model name (default: the server's first)")
-    s.add_argument("--db", default=None, help="ledger (default: the state dir's)")
-    s.add_argument("--state-dir", default=None, help="the guard's state dir: memory samples, default --db/--url")
+    s.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    s.add_argument("--db", default=None, help="ledger file to write (default: the state dir's ledger.sqlite)")
+    s.add_argument("--state-dir", default=None,
+                   help="the guard's state dir: its memory readings are sampled, and it gives the default "
+                        "--db and --url (default: $VLLM_GUARD_STATE_DIR, [server] state_dir, ./.state)")
     s.add_argument("--sample-interval", default=None, help="status polling interval (default 2s)")
     s.add_argument("--resume", action="store_true", help="continue the last unfinished run in --db")
     s.add_argument("--run-id", type=int, default=None, help="with --resume: which run")
-    s.add_argument("--no-progress", action="store_true")
-    s.add_argument("--summary-json", default=None, help="write the end-of-run summary here")
-
-    r = sub.add_parser("report", help="MTBF, leaks, thermals, latency and errors from a ledger")
-    r.add_argument("--db", default=None, help="ledger file or state dir (default: the state dir's)")
-    r.add_argument("--state-dir", default=None)
-    r.add_argument("--format", choices=["text", "json", "html"], default="text")
-    r.add_argument("--out", default=None, help="file to write (default stdout)")
-    r.add_argument("--compare", nargs=2, metavar=("A.db", "B.db"), default=None)
-    r.add_argument("--run-id", type=int, default=None, help="soak run for latency/errors (default: all)")
-    r.add_argument("--confidence", type=float, default=0.90)
-    return {"soak": cmd_soak, "report": cmd_report}
+    s.add_argument("--no-progress", action="store_true", help="no progress bar or periodic progress lines")
+    s.add_argument("--summary-json", default=None, help="also write the end-of-run summary (JSON) to this file")
+    return {"soak": cmd_soak}
 
 
-def _usage(msg: str) -> Exception:
-    from vllm_guard.runtime.cli import UsageError
+def soak_config(args: argparse.Namespace) -> SoakConfig:
+    """[soak] of --config (the whole file validated), then the flags given, one coercion."""
+    from vllm_guard.core.config import load, set_value, validate
 
-    return UsageError(msg)
+    cfg = load(args.config)
+    for key in SOAK_FLAGS:
+        v = getattr(args, key)
+        if v is not None:
+            set_value(cfg, "soak", key, v)
+    return validate(cfg).soak
 
 
-def _state_dir(arg: str | None) -> str | None:
-    d = arg or os.environ.get("VLLM_GUARD_STATE_DIR")
-    if d:
-        return d
-    return ".state" if admin.socket_path(".state").exists() else None
+def state_dir(soak: SoakConfig, config: str | None) -> tuple[str, bool]:
+    """(state dir, named): named when --state-dir, [soak] state_dir, $VLLM_GUARD_STATE_DIR or
+    --config's [server] state_dir gave it; otherwise it is the installed guard's or ./.state."""
+    from vllm_guard.core.paths import resolve_state_dir
+
+    found = resolve_state_dir(soak.state_dir, config)
+    return found[0], found != resolve_state_dir(None, None, env={})
 
 
-def _default_db(db: str | None, state_dir: str | None) -> str:
+def ledger_path(db: str | None, sdir: str, named: bool) -> str:
+    from vllm_guard.core.ledger import LEDGER_NAME
+
     if db:
         return db
-    if state_dir:
-        return str(Path(state_dir) / "ledger.sqlite")
-    raise _usage("no --db and no --state-dir: say where the ledger is")
+    if not named and not Path(sdir).is_dir():
+        raise UsageError("no --db and no guard state dir (--state-dir, $VLLM_GUARD_STATE_DIR, [server] state_dir): "
+                         "say where the ledger is")
+    return str(Path(sdir) / LEDGER_NAME)
+
+
+def writable_file(flag: str, path: str | None) -> None:
+    """A file argument whose directory does not exist fails before anything runs."""
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise UsageError(f"{flag} has value {path!r}: no directory {str(Path(path).parent)!r}")
 
 
 async def _server_info(url: str) -> tuple[str, int | None]:
+    import aiohttp
+
     try:
         async with aiohttp.ClientSession() as s:
             async with s.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as r:
                 data = await r.json(content_type=None)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-        raise _usage(f"--url has value {url!r}: cannot list models ({type(e).__name__}: {e})") from e
-    models = data.get("data") or []
-    if not models:
-        raise _usage(f"--url has value {url!r}: the server lists no model")
-    return models[0]["id"], models[0].get("max_model_len")
+        raise UsageError(f"--url has value {url!r}: cannot list models ({type(e).__name__}: {e})") from e
+    models = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        raise UsageError(f"--url has value {url!r}: the server lists no model at /v1/models")
+    max_len = models[0].get("max_model_len")
+    return str(models[0]["id"]), int(max_len) if isinstance(max_len, int) else None
 
 
-def _merged(args: argparse.Namespace) -> dict[str, Any]:
-    """[soak] from guard.toml, then CLI flags."""
-    cfg = validate_section(load(args.config).soak) if args.config else {}
-    for key in ("url", "scenario", "duration", "rate", "burstiness", "concurrency", "db", "seed", "mode",
-                "timeout", "prompt_tokens", "output_tokens", "model", "state_dir", "sample_interval"):
-        v = getattr(args, key)
-        if v is not None:
-            cfg[key] = v
-    return cfg
+def _status_check(sdir: str) -> int | None:
+    """The guard's public port, or None when no guard answers there. A status that does not
+    decode (runtime and soak of different versions) is a usage error, not zeros later."""
+    from vllm_guard.core.admin import AdminError, fetch_status
+
+    from .sampler import is_protocol_error
+
+    try:
+        return asyncio.run(fetch_status(sdir)).port
+    except AdminError as e:
+        if is_protocol_error(e):
+            raise UsageError(f"the guard's status at {sdir} does not match this soak ({e}): "
+                             "the runtime and the soak are different versions") from e
+        return None
 
 
-def build_params(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    c = _merged(args)
-    state_dir = _state_dir(c.get("state_dir"))
-    url = c.get("url")
-    if not url:
-        if not state_dir:
-            raise _usage("no --url and no guard state dir to find it from")
+def build_params(args: argparse.Namespace, c: SoakConfig) -> tuple[SoakParams, str, str]:
+    """(parameters of a new run, ledger path, scaling note)."""
+    from vllm_guard.core.admin import socket_path
+    from vllm_guard.core.config import parse_duration
+
+    from .params import SoakParams
+    from .scenarios import scenario
+
+    sdir, named = state_dir(c, args.config)
+    sample = named or socket_path(sdir).exists()  # an unnamed state dir only where a guard runs
+    port = None
+    if sample or not c.url:
         try:
-            st = asyncio.run(admin.request(state_dir, "GET", "/status"))
-        except admin.AdminError as e:
-            raise _usage(f"no --url and {e}") from e
-        url = f"http://127.0.0.1:{st['port']}"
+            port = _status_check(sdir)
+        except UsageError as e:
+            if named or not c.url:
+                raise
+            print(f"note: not sampling the guard at {sdir}: {e}", file=sys.stderr)
+            sample = False
+    url = c.url
+    if not url:
+        if port is None:
+            raise UsageError(f"no --url, and no guard answers at {socket_path(sdir)} to find it from")
+        url = f"http://127.0.0.1:{port}"
+    elif sample and port is None:
+        print(f"note: no guard answers at {socket_path(sdir)} yet: memory samples start when it does",
+              file=sys.stderr)
     url = url.rstrip("/")
     model, max_len = asyncio.run(_server_info(url))
-    shape = scenario(c.get("scenario") or "S1", max_len, c.get("prompt_tokens"), c.get("output_tokens"),
-                     c.get("concurrency"))
-    rate = float(c.get("rate") or math.inf)
+    shape = scenario(c.scenario or "S1", max_len, c.prompt_tokens, c.output_tokens, c.concurrency)
+    rate = float(c.rate or math.inf)
     if math.isinf(rate) and not shape.concurrency:
-        raise _usage("--rate not given and no --concurrency: an unbounded closed loop would flood the server")
-    for name, v in (("rate", rate), ("burstiness", c.get("burstiness", 1.0)), ("concurrency", shape.concurrency or 1)):
-        if not v > 0:
-            raise ConfigError(f"{name} has value {v!r}: must be > 0")
-    if args.fixed_span and (not args.requests or math.isinf(rate) or (c.get("mode") or "steady") != "steady"):
-        raise _usage("--fixed-span needs --requests, --rate and steady mode")
+        raise UsageError("--rate not given and no --concurrency: an unbounded closed loop would flood the server")
+    mode = c.mode or "steady"
+    if args.fixed_span and (not args.requests or math.isinf(rate) or mode != "steady"):
+        raise UsageError("--fixed-span needs --requests, --rate and steady mode")
     if not 0 < args.burst_duty <= 1:
         raise ConfigError(f"--burst-duty has value {args.burst_duty!r}: must be in (0, 1]")
-    params = {
-        "url": url, "model": c.get("model") or model, "max_model_len": max_len, "scenario": shape.name,
-        "prompt_tokens": shape.prompt_tokens, "output_tokens": shape.output_tokens,
-        "concurrency": shape.concurrency, "rate": rate, "burstiness": float(c.get("burstiness", 1.0)),
-        "mode": c.get("mode") or "steady", "burst_period_s": parse_duration(args.burst_period, "--burst-period"),
-        "burst_duty": args.burst_duty, "seed": int(c.get("seed", 0)),
-        "duration_s": parse_duration(c.get("duration", "10m"), "--duration"),
-        "timeout_s": parse_duration(c.get("timeout", "10m"), "--timeout"),
-        "max_requests": args.requests, "state_dir": state_dir,
-        "span_requests": args.requests if args.fixed_span and args.requests else 0,
-        "sample_interval_s": parse_duration(c.get("sample_interval", "2s"), "--sample-interval"),
-        "tokenizer": args.tokenizer,
-    }
+    if args.requests is not None and args.requests < 1:
+        raise ConfigError(f"--requests has value {args.requests!r}: must be >= 1")
+    params = SoakParams(
+        url=url, model=c.model or model, max_model_len=max_len, scenario=shape.name,
+        prompt_tokens=shape.prompt_tokens, output_tokens=shape.output_tokens, concurrency=shape.concurrency,
+        rate=rate, burstiness=float(c.burstiness or 1.0), mode=mode,
+        burst_period_s=parse_duration(args.burst_period, "--burst-period"), burst_duty=args.burst_duty,
+        seed=c.seed or 0, duration_s=float(c.duration or 600.0), timeout_s=float(c.timeout or 600.0),
+        max_requests=args.requests, state_dir=sdir if sample else None,
+        span_requests=args.requests if args.fixed_span and args.requests else 0,
+        sample_interval_s=float(c.sample_interval or 2.0), tokenizer=args.tokenizer,
+    )
     if args.tokenizer:
         from .runner import load_tokenizer
 
         try:
             load_tokenizer(args.tokenizer)
         except Exception as e:  # noqa: BLE001 - any failure to load is a usage error
-            raise _usage(f"--tokenizer {args.tokenizer}: cannot load it ({type(e).__name__}: {e})") from e
-    return params, _default_db(c.get("db"), state_dir), shape.note  # type: ignore[return-value]
+            raise UsageError(f"--tokenizer {args.tokenizer}: cannot load it ({type(e).__name__}: {e})") from e
+    return params, ledger_path(c.db, sdir, named), shape.note
 
 
-def _run_loop(coro: Any) -> Any:
+def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
     """uvloop where installed (it comes with vLLM): a lower send lag at high rates."""
     try:
         import uvloop
-
-        return uvloop.run(coro)
     except ImportError:
         return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def cmd_soak(args: argparse.Namespace, _: list[str]) -> int:
+    from vllm_guard.core import ledger
+    from vllm_guard.core.ledger import LedgerError
+
+    from .params import SoakParams
     from .runner import Soak, new_token, summary
     from .store import SoakStore
 
+    writable_file("--summary-json", args.summary_json)
+    c = soak_config(args)
     if args.resume:
-        db = _default_db(args.db, _state_dir(args.state_dir))
+        sdir, named = state_dir(c, args.config)
+        db = ledger_path(c.db, sdir, named)
         if not Path(db).exists():
-            raise _usage(f"--db has value {db!r}: no ledger to resume")
-        store = SoakStore(db)
-        row = store.run(args.run_id) if args.run_id else store.last_unfinished_run()
-        if row is None:
-            store.close()
-            raise _usage(f"--resume: no unfinished run in {db}" + (f" with id {args.run_id}" if args.run_id else ""))
-        params, token, run_id = json.loads(row["params"]), row["token"], int(row["id"])
-        params["rate"] = float(params["rate"])
-        print(f"resuming run {run_id} ({params['scenario']}, seed {params['seed']})", file=sys.stderr)
+            raise UsageError(f"--db has value {db!r}: no ledger to resume")
     else:
-        params, db, note = build_params(args)
+        params, db, note = build_params(args, c)
+    try:
+        f = ledger.db_path(db)
+        if f.is_file() and f.stat().st_size > 0:  # never add our tables to someone else's file (empty: new)
+            ledger.open_readonly(f).close()
         store = SoakStore(db)
+    except LedgerError as e:
+        raise UsageError(f"--db: {e}") from e
+    if args.resume:
+        run = store.stored_run(args.run_id)
+        if run is None:
+            store.close()
+            raise UsageError(f"--resume: no unfinished run in {db}" + (f" with id {args.run_id}" if args.run_id else ""))
+        try:
+            params = SoakParams.from_json(run.params)
+        except ProtocolError as e:
+            store.close()
+            raise UsageError(f"--resume: run {run.id} was written by another version of the soak: {e}") from e
+        token, run_id = run.token, run.id
+        print(f"resuming run {run_id} ({params.scenario}, seed {params.seed})", file=sys.stderr)
+    else:
         token = new_token()
         run_id = store.create_run(token, params, note)
         if note:
@@ -202,25 +267,3 @@ def cmd_soak(args: argparse.Namespace, _: list[str]) -> int:
         Path(args.summary_json).write_text(json.dumps(out, indent=2))
     print(json.dumps(out))
     return 0 if status == "done" else 130
-
-
-def cmd_report(args: argparse.Namespace, _: list[str]) -> int:
-    from . import report
-
-    if not 0 < args.confidence < 1:
-        raise ConfigError(f"--confidence has value {args.confidence!r}: must be in (0, 1)")
-    if args.compare:
-        for p in args.compare:
-            if not Path(p).exists():
-                raise _usage(f"--compare: no ledger at {p!r}")
-        text = report.render_compare(args.compare, args.format, args.confidence)
-    else:
-        db = _default_db(args.db, _state_dir(args.state_dir))
-        if not Path(db).exists():
-            raise _usage(f"--db has value {db!r}: no ledger there")
-        text = report.render(db, args.format, args.confidence, args.run_id)
-    if args.out:
-        Path(args.out).write_text(text)
-    else:
-        sys.stdout.write(text)
-    return 0

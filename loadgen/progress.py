@@ -49,7 +49,7 @@ class Progress:
         self._bar = RichProgress(TextColumn("soak"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}s"),
                                  TimeElapsedColumn(), TextColumn("{task.fields[line]}"), console=self.console,
                                  refresh_per_second=2)
-        task = self._bar.add_task("soak", total=self.duration, completed=self.offset0, line="")
+        task = self._bar.add_task("soak", total=self.duration, completed=int(self.offset0), line="")
         with self._bar:
             while True:
                 self._bar.update(task, completed=min(self.duration, self._elapsed()), line=self._line())

@@ -20,12 +20,14 @@ from typing import Any
 
 import aiohttp
 
-from . import client
+from vllm_guard.core import stream as client
+
 from .arrivals import Schedule, prompt_ids
 from .hist import LogHistogram
+from .params import SoakParams
 from .progress import Progress
 from .sampler import StatusSampler
-from .store import SoakStore
+from .store import RequestRow, SoakStore
 
 
 @dataclass
@@ -80,25 +82,26 @@ def text_prompt(tok: Any, ids: list[int], tries: int = 10) -> str:
 
 
 class Soak:
-    def __init__(self, store: SoakStore, run_id: int, token: str, params: dict[str, Any],
+    def __init__(self, store: SoakStore, run_id: int, token: str, params: SoakParams,
                  progress: bool = True) -> None:
         self.store, self.run_id, self.token, self.p = store, run_id, token, params
-        self.sched = Schedule(params["rate"], params["burstiness"], params["seed"], params["mode"],
-                              params["burst_period_s"], params["burst_duty"], params.get("span_requests", 0))
+        self.sched = Schedule(params.rate, params.burstiness, params.seed, params.mode,
+                              params.burst_period_s, params.burst_duty, params.span_requests)
         self.live = Live()
         self.stop = asyncio.Event()
         self.show_progress = progress
         self.segment = 0
+        self.sampler: StatusSampler | None = None
 
     def _body(self, seq: int) -> dict[str, Any]:
         prompt: list[int] | str
-        if self.p.get("tokenizer"):  # ids from the whole vocabulary: word pieces, not byte tokens
-            tok = load_tokenizer(self.p["tokenizer"])
-            prompt = text_prompt(tok, prompt_ids(self.p["seed"], seq, self.p["prompt_tokens"], high=len(tok)))
+        if self.p.tokenizer:  # ids from the whole vocabulary: word pieces, not byte tokens
+            tok = load_tokenizer(self.p.tokenizer)
+            prompt = text_prompt(tok, prompt_ids(self.p.seed, seq, self.p.prompt_tokens, high=len(tok)))
         else:
-            prompt = prompt_ids(self.p["seed"], seq, self.p["prompt_tokens"])
-        return {"model": self.p["model"], "prompt": prompt,
-                "max_tokens": self.p["output_tokens"], "stream": True, "ignore_eos": True,
+            prompt = prompt_ids(self.p.seed, seq, self.p.prompt_tokens)
+        return {"model": self.p.model, "prompt": prompt,
+                "max_tokens": self.p.output_tokens, "stream": True, "ignore_eos": True,
                 "temperature": 0.0, "stream_options": {"include_usage": True}}
 
     def _recover(self) -> tuple[int, set[int]]:
@@ -110,21 +113,21 @@ class Soak:
                 lost.setdefault(seq, (rid, sent_at))
         prev = self.store.last_segment(self.run_id)
         for seq, (rid, sent_at) in lost.items():
-            self.store.put_request({"run_id": self.run_id, "seq": seq, "request_id": rid, "sent_at": sent_at,
-                                    "segment": prev,
-                                    "error": client.LOST, "detail": "soak process died with this request in flight"})
+            self.store.put_request(RequestRow(run_id=self.run_id, seq=seq, request_id=rid, sent_at=sent_at,
+                                              segment=prev, error=client.LOST,
+                                              detail="soak process died with this request in flight"))
         self.store.flush()
         return self.store.progress(self.run_id)
 
     async def run(self) -> str:
         first, skip = self._recover()
-        duration, limit = self.p["duration_s"], self.p.get("max_requests")
+        duration, limit = self.p.duration_s, self.p.max_requests
         offsets = self.sched.offsets(first)
         _, offset0 = next(self.sched.offsets(first))
         mono0, wall0 = time.monotonic(), time.time()
         self.segment = self.store.start_segment(self.run_id, wall0, offset0, first)
         self.store.open_journal(self.token)
-        cap = self.p.get("concurrency")
+        cap = self.p.concurrency
         sem = asyncio.Semaphore(cap) if cap else None
         conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         tasks: set[asyncio.Task[None]] = set()
@@ -132,10 +135,10 @@ class Soak:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.set)
         bg: list[asyncio.Task[Any]] = []
-        if self.p.get("state_dir"):
-            sampler = StatusSampler(self.p["state_dir"], self.run_id, self.store.put_samples,
-                                    self.p["sample_interval_s"], self.store.put_status)
-            bg.append(asyncio.create_task(sampler.run()))
+        if self.p.state_dir:
+            self.sampler = StatusSampler(self.p.state_dir, self.run_id, self.store.put_samples,
+                                         self.p.sample_interval_s, self.store.put_status)
+            bg.append(asyncio.create_task(self.sampler.run()))
         prog = Progress(self, duration, offset0, mono0, enabled=self.show_progress)
         bg.append(asyncio.create_task(prog.run()))
         status = "done"
@@ -162,7 +165,7 @@ class Soak:
                 task.add_done_callback(tasks.discard)
             if tasks:
                 done_wait = asyncio.gather(*tasks, return_exceptions=True)
-                grace = 10.0 if self.stop.is_set() else self.p["timeout_s"] + 5
+                grace = 10.0 if self.stop.is_set() else self.p.timeout_s + 5
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(asyncio.shield(done_wait), grace)
                 for t in list(tasks):
@@ -181,8 +184,8 @@ class Soak:
             sent_wall = wall0 + (time.monotonic() - mono0)
             self.store.journal_sent(seq, rid, sent_wall)
             self.live.sent += 1
-            res, t_send = await client.stream_completion(session, self.p["url"], self._body(seq), rid,
-                                                         self.p["timeout_s"])
+            res, t_send = await client.stream_completion(session, self.p.url, self._body(seq), rid,
+                                                         self.p.timeout_s)
         finally:
             if sem is not None:
                 sem.release()
@@ -190,15 +193,15 @@ class Soak:
         e2e_sched = (res.e2e_s or 0.0) + lag
         self.live.add(res, lag, e2e_sched)
         ttft_sched = None if res.ttft_s is None else res.ttft_s + lag
-        self.store.put_request({
-            "run_id": self.run_id, "seq": seq, "request_id": rid, "segment": self.segment, "offset_s": off,
-            "scheduled_at": wall0 + (target - mono0), "sent_at": wall0 + (t_send - mono0),
-            "ended_at": wall0 + (t_send + (res.e2e_s or 0.0) - mono0), "status": res.status,
-            "ttft_s": res.ttft_s, "ttft_sched_s": ttft_sched, "e2e_s": res.e2e_s, "e2e_sched_s": e2e_sched,
-            "itl_mean_s": res.itl_mean_s, "itl_max_s": res.itl_max_s, "chunks": res.chunks,
-            "prompt_tokens": res.prompt_tokens, "output_tokens": res.output_tokens,
-            "generation": res.generation, "error": res.error, "detail": res.detail,
-        })
+        self.store.put_request(RequestRow(
+            run_id=self.run_id, seq=seq, request_id=rid, segment=self.segment, offset_s=off,
+            scheduled_at=wall0 + (target - mono0), sent_at=wall0 + (t_send - mono0),
+            ended_at=wall0 + (t_send + (res.e2e_s or 0.0) - mono0), status=res.status,
+            ttft_s=res.ttft_s, ttft_sched_s=ttft_sched, e2e_s=res.e2e_s, e2e_sched_s=e2e_sched,
+            itl_mean_s=res.itl_mean_s, itl_max_s=res.itl_max_s, chunks=res.chunks,
+            prompt_tokens=res.prompt_tokens, output_tokens=res.output_tokens,
+            generation=res.generation, error=res.error, detail=res.detail,
+        ))
 
 
 def new_token() -> str:
@@ -207,8 +210,12 @@ def new_token() -> str:
 
 def summary(s: Soak, status: str) -> dict[str, Any]:
     """End-of-run figures (the benchmark reads these)."""
-    L = s.live
-    q = (lambda h, f: None if h.quantile(f) is None else round(h.quantile(f), 6))  # noqa: E731
+    L, sm = s.live, s.sampler
+
+    def q(h: LogHistogram, f: float) -> float | None:
+        v = h.quantile(f)
+        return None if v is None else round(v, 6)
+
     return {
         "run_id": s.run_id, "status": status, "sent": L.sent, "finished": L.done, "failed": L.failed,
         "errors": dict(L.errors), "output_tokens": L.output_tokens,
@@ -216,5 +223,9 @@ def summary(s: Soak, status: str) -> dict[str, Any]:
         "e2e_sched_p50_s": q(L.e2e_sched, 0.5), "e2e_sched_p99_s": q(L.e2e_sched, 0.99),
         "lag_p50_s": q(L.lag, 0.5), "lag_p99_s": q(L.lag, 0.99), "lag_max_s": q(L.lag, 1.0),
         "ledger_commits": s.store.commits, "ledger_rows": s.store.rows,
-        "rate": s.p["rate"] if not math.isinf(s.p["rate"]) else None,
+        "rate": None if math.isinf(s.p.rate) else s.p.rate,
+        # with --state-dir: memory readings stored, polls without a status, polls whose status
+        # did not match this soak's schema (then no memory samples: see the warning)
+        "memory_samples": sm.samples if sm else None, "status_errors": sm.errors if sm else None,
+        "status_protocol_errors": sm.protocol_errors if sm else None,
     }

@@ -10,25 +10,77 @@ run knows exactly which requests reached the server without a result.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import queue
 import sqlite3
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from vllm_guard.runtime import ledger
+from vllm_guard.core import ledger
+from vllm_guard.core.samples import SoakStatusRecord
+from vllm_guard.core.timefmt import utcnow
 
-REQUEST_COLS = (
-    "run_id", "seq", "request_id", "segment", "offset_s", "scheduled_at", "sent_at", "ended_at",
-    "status", "ttft_s", "ttft_sched_s", "e2e_s", "e2e_sched_s", "itl_mean_s", "itl_max_s", "chunks",
-    "prompt_tokens", "output_tokens", "generation", "error", "detail",
-)
-SAMPLE_COLS = (
-    "run_id", "at", "generation", "state", "requests_total", "requests_generation", "role", "pid",
-    "rss_mb", "uss_mb", "gpu_mb", "host_available_mb",
-)
+from .params import SoakParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRow:
+    """One `requests` row: a finished (or lost) request. Times `*_at` are epoch seconds."""
+
+    run_id: int
+    seq: int
+    request_id: str
+    segment: int = 0
+    offset_s: float | None = None  # scheduled run-time offset
+    scheduled_at: float | None = None
+    sent_at: float | None = None
+    ended_at: float | None = None
+    status: int | None = None  # HTTP status
+    ttft_s: float | None = None
+    ttft_sched_s: float | None = None
+    e2e_s: float | None = None
+    e2e_sched_s: float | None = None
+    itl_mean_s: float | None = None
+    itl_max_s: float | None = None
+    chunks: int | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    generation: int | None = None
+    error: str | None = None  # category; None = success
+    detail: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRow:
+    """One `soak_samples` row: one process of the guard's memory reading."""
+
+    run_id: int
+    at: str  # the reading's time (ISO)
+    generation: int
+    state: str
+    requests_total: int
+    requests_generation: int  # requests this generation had taken when read
+    role: str
+    pid: int
+    rss_mb: float
+    uss_mb: float | None
+    gpu_mb: float | None
+    host_available_mb: float | None
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    id: int
+    token: str
+    status: str
+    params: str  # SoakParams as JSON
+
+
+REQUEST_COLS = tuple(f.name for f in dataclasses.fields(RequestRow))
+SAMPLE_COLS = tuple(f.name for f in dataclasses.fields(MemoryRow))
 _SQL = {
     "requests": f"INSERT OR IGNORE INTO requests ({', '.join(REQUEST_COLS)}) "
                 f"VALUES ({', '.join('?' for _ in REQUEST_COLS)})",
@@ -39,16 +91,11 @@ _SQL = {
 _STOP = object()
 
 
-def db_path(db: str | Path) -> Path:
-    p = Path(db)
-    return p / ledger.LEDGER_NAME if p.is_dir() else p
-
-
 class SoakStore:
     """Runs, segments, requests and samples of one soak process."""
 
     def __init__(self, db: str | Path, max_batch: int = 1024) -> None:
-        self.path = db_path(db)
+        self.path = ledger.db_path(db)
         self.conn = ledger.connect(self.path)
         self.max_batch = max_batch
         self.commits = 0
@@ -60,28 +107,29 @@ class SoakStore:
         self._journal_fd: int | None = None
 
     # -- run bookkeeping (main thread, rare) ----------------------------------------------------
-    def create_run(self, token: str, params: dict[str, Any], note: str) -> int:
+    def create_run(self, token: str, params: SoakParams, note: str) -> int:
         cur = self.conn.execute(
             "INSERT INTO runs (token, started_at, url, scenario, seed, duration_s, note, params) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (token, ledger.utcnow(), params["url"], params["scenario"], params["seed"],
-             params["duration_s"], note, json.dumps(params, sort_keys=True)),
+            (token, utcnow(), params.url, params.scenario, params.seed, params.duration_s, note,
+             params.to_json()),
         )
         return int(cur.lastrowid or 0)
 
-    def last_unfinished_run(self) -> sqlite3.Row | None:
-        return self.conn.execute(
-            "SELECT * FROM runs WHERE status != 'done' ORDER BY id DESC LIMIT 1").fetchone()
-
-    def run(self, run_id: int) -> sqlite3.Row | None:
-        return self.conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+    def stored_run(self, run_id: int | None = None) -> StoredRun | None:
+        """Run `run_id`, or (None) the last one not done: what `--resume` continues."""
+        sql = "SELECT id, token, status, params FROM runs "
+        row = self.conn.execute(sql + "WHERE id = ?", (run_id,)).fetchone() if run_id is not None else \
+            self.conn.execute(sql + "WHERE status != 'done' ORDER BY id DESC LIMIT 1").fetchone()
+        return None if row is None else StoredRun(int(row["id"]), str(row["token"]), str(row["status"]),
+                                                  str(row["params"]))
 
     def start_segment(self, run_id: int, wall0: float, offset0: float, first_seq: int) -> int:
         seg = self.conn.execute("SELECT COALESCE(MAX(segment) + 1, 0) FROM soak_segments WHERE run_id = ?",
                                 (run_id,)).fetchone()[0]
         self.conn.execute(
             "INSERT INTO soak_segments (run_id, segment, started_at, wall0, offset0, first_seq, pid) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)", (run_id, seg, ledger.utcnow(), wall0, offset0, first_seq, os.getpid()))
+            "VALUES (?, ?, ?, ?, ?, ?, ?)", (run_id, seg, utcnow(), wall0, offset0, first_seq, os.getpid()))
         self.conn.execute("UPDATE runs SET status = 'running', ended_at = NULL WHERE id = ?", (run_id,))
         return int(seg)
 
@@ -91,7 +139,7 @@ class SoakStore:
 
     def end_run(self, run_id: int, segment: int, status: str) -> None:
         self.flush()
-        now = ledger.utcnow()
+        now = utcnow()
         self.conn.execute("UPDATE soak_segments SET ended_at = ? WHERE run_id = ? AND segment = ?",
                           (now, run_id, segment))
         self.conn.execute("UPDATE runs SET status = ?, ended_at = ? WHERE id = ?", (status, now, run_id))
@@ -133,18 +181,19 @@ class SoakStore:
                     yield int(parts[0]), parts[1], float(parts[2])
 
     # -- rows (any thread) -------------------------------------------------------------------------
-    def put_request(self, row: dict[str, Any]) -> None:
+    def put_request(self, row: RequestRow) -> None:
         self._check()
-        self._q.put(("requests", tuple(row.get(c) for c in REQUEST_COLS)))
+        self._q.put(("requests", tuple(getattr(row, c) for c in REQUEST_COLS)))
 
-    def put_samples(self, rows: list[dict[str, Any]]) -> None:
+    def put_samples(self, rows: list[MemoryRow]) -> None:
         self._check()
         for row in rows:
-            self._q.put(("soak_samples", tuple(row.get(c) for c in SAMPLE_COLS)))
+            self._q.put(("soak_samples", tuple(getattr(row, c) for c in SAMPLE_COLS)))
 
-    def put_status(self, run_id: int, at: str, generation: int | None, data: dict[str, Any]) -> None:
+    def put_status(self, run_id: int, at: str, record: SoakStatusRecord) -> None:
+        """A `soak_status` row: the typed subset of the guard's status (core.samples)."""
         self._check()
-        self._q.put(("soak_status", (run_id, at, generation, json.dumps(data, default=str))))
+        self._q.put(("soak_status", (run_id, at, record.generation, record.model_dump_json())))
 
     def flush(self) -> None:
         """Block until every row queued so far is committed."""

@@ -28,7 +28,7 @@ def _img(b64: str | None, alt: str, note: str) -> str:
 
 def _plots(f: dict[str, Any], d: LedgerData) -> str:
     return "".join((
-        "<h2>Memory</h2>", _img(plots.memory_plot(d), "memory over time", f["leak"].get("note") or "no memory samples"),
+        "<h2>Memory</h2>", _img(plots.memory_plot(d), "memory over time", f["leak"]["note"] or "no memory samples"),
         "<h2>Latency</h2>", _img(plots.latency_plot(d), "latency over time", "no soak requests"),
         "<h2>Temperature and clocks</h2>", _img(plots.thermal_plot(d), "temperature and clocks", f["thermal"]["note"]),
     ))

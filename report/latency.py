@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from .ledgerread import SoakRun
+
 QS = (50, 95, 99)
 
 
@@ -21,10 +23,14 @@ def quantiles(x: np.ndarray) -> dict[str, float | None]:
     return {f"p{q}": float(v) for q, v in zip(QS, np.percentile(x, QS))}
 
 
-def latency_report(req: dict[str, np.ndarray], errors: list[str | None], runs: list[dict[str, Any]]) -> dict[str, Any]:
+def latency_report(req: dict[str, np.ndarray], errors: list[str | None], runs: list[SoakRun],
+                   requests_served: int = 0) -> dict[str, Any]:
+    """`requests_served`: what the runtime counted (all traffic, not only the soak's), for the
+    note when no soak ran here."""
     n = len(errors)
     if n == 0:
-        return {"present": False, "note": "no soak requests in this ledger", "requests": 0}
+        served = f"; the runtime served {requests_served} requests (see SERVICE)" if requests_served else ""
+        return {"present": False, "note": f"no soak requests in this ledger{served}", "requests": 0}
     err = np.array([e is not None for e in errors])
     ok = ~err
     sent, ended = req["sent_at"], req["ended_at"]
@@ -42,8 +48,7 @@ def latency_report(req: dict[str, np.ndarray], errors: list[str | None], runs: l
                              for q, v in quantiles(req[k][m & ok]).items()}})
     out_tok = float(np.nansum(req["output_tokens"][ok]))
     return {
-        "present": True, "runs": [{k: r.get(k) for k in ("id", "started_at", "ended_at", "status", "scenario", "url",
-                                                          "seed", "duration_s", "note")} for r in runs],
+        "present": True, "runs": [r.to_dict() for r in runs],
         "requests": n, "ok": int(ok.sum()), "failed": int(err.sum()), "error_rate": float(err.mean()),
         "errors": dict(sorted(cats.items())), **figs, "per_hour": hours,
         "span_s": span, "throughput_rps": n / span if span > 0 else None,

@@ -1,8 +1,10 @@
-"""Read a ledger for the report, tolerating tables that are absent, empty or of another shape.
+"""Read a ledger for the report, typed: the runtime's rows, the watchdog's ticks, the soak's runs.
 
-The watchdog's `samples` and `incidents` are read as whatever columns exist, with a JSON `data`
-column flattened in, so a schema change there degrades the report to a note, never a crash.
-Opens the file read-only: a report never writes (nor creates) a ledger.
+The file is opened with `core.ledger.open_readonly` (a report never writes nor creates a
+ledger; a file that is not one is a LedgerError). Tables that are absent or empty are fine
+(the report says so). Rows that do not match their schema are not skipped in silence: each
+table's problems are counted with the first one's message (`Problems`), and the report
+shows them.
 """
 
 from __future__ import annotations
@@ -15,114 +17,217 @@ from typing import Any
 
 import numpy as np
 
-from .store import db_path
+from vllm_guard.core import ledger
+from vllm_guard.core.errors import ProtocolError
+from vllm_guard.core.ledger import LedgerError, RuntimeHistory
+from vllm_guard.core.protocol import decode
+from vllm_guard.core.samples import SoakStatusRecord, Tick
 
 REQUEST_FIELDS = ("seq", "sent_at", "ended_at", "scheduled_at", "ttft_s", "ttft_sched_s", "e2e_s", "e2e_sched_s",
                   "itl_mean_s", "output_tokens", "generation")
+RUN_FIELDS = ("id", "started_at", "ended_at", "status", "scenario", "url", "seed", "duration_s", "note")
+SOAK_SAMPLE_FIELDS = ("at", "generation", "role", "pid", "requests_generation", "rss_mb", "uss_mb", "gpu_mb",
+                      "host_available_mb")
+
+
+@dataclass
+class Problems:
+    """Rows of one table that did not match their schema: how many, and the first one."""
+
+    rows: int = 0
+    bad: int = 0
+    first: str = ""
+
+    def add(self, where: str, e: Exception) -> None:
+        self.bad += 1
+        if not self.first:
+            self.first = f"{where}: {e}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows, "invalid": self.bad, "first_error": self.first or None}
+
+
+@dataclass(frozen=True)
+class Incident:
+    kind: str
+    cause: str | None
+    cls: str
+    detected_at: str
+    action: str | None
+    restored_at: str | None
+
+
+@dataclass(frozen=True)
+class SoakRun:
+    id: int
+    started_at: str
+    ended_at: str | None
+    status: str
+    scenario: str | None
+    url: str | None
+    seed: int | None
+    duration_s: float | None
+    note: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in RUN_FIELDS}
+
+
+@dataclass(frozen=True)
+class SoakSample:
+    """One `soak_samples` row (the load generator's copy of the guard's memory reading)."""
+
+    at: str
+    generation: int | None
+    role: str | None
+    pid: int
+    requests_generation: int | None
+    rss_mb: float | None
+    uss_mb: float | None
+    gpu_mb: float | None
+    host_available_mb: float | None
+
+
+@dataclass(frozen=True)
+class WatchdogMeta:
+    """The `watchdog.<key>` rows of `meta` (JSON values) the watchdog records at start: what
+    `--compare` labels a ledger by. All absent without a watchdog."""
+
+    gpu_profile: str | None = None
+    gpu_budget_mb: float | None = None
+    gpu_names: tuple[str, ...] = ()
 
 
 @dataclass
 class LedgerData:
     path: str
-    generations: list[dict[str, Any]] = field(default_factory=list)
-    recycles: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    incidents: list[dict[str, Any]] | None = None  # None: table absent
-    samples: list[dict[str, Any]] | None = None
-    soak_samples: list[dict[str, Any]] = field(default_factory=list)
-    soak_status: list[dict[str, Any]] = field(default_factory=list)  # status snapshots, data parsed
-    runs: list[dict[str, Any]] = field(default_factory=list)
+    runtime: RuntimeHistory = field(default_factory=lambda: RuntimeHistory([], [], []))
+    incidents: list[Incident] | None = None  # None: table absent
+    ticks: list[Tick] | None = None  # the watchdog's samples, one per tick; None: table absent
+    tick_problems: Problems = field(default_factory=Problems)
+    soak_samples: list[SoakSample] = field(default_factory=list)
+    soak_status: list[SoakStatusRecord] = field(default_factory=list)
+    status_problems: Problems = field(default_factory=Problems)
+    runs: list[SoakRun] = field(default_factory=list)
     requests: dict[str, np.ndarray] = field(default_factory=dict)  # numeric columns
     errors: list[str | None] = field(default_factory=list)  # the error column, row-aligned
-    meta: dict[str, Any] = field(default_factory=dict)  # `meta` rows, JSON values decoded
+    watchdog_meta: WatchdogMeta = field(default_factory=WatchdogMeta)
+    meta_problems: Problems = field(default_factory=Problems)
 
 
-def _open(path: str | Path) -> sqlite3.Connection:
-    p = db_path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"no ledger at {p}")
-    conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True, timeout=30.0)
-    conn.row_factory = sqlite3.Row
-    return conn
-
-
-def _tables(conn: sqlite3.Connection) -> set[str]:
-    return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-
-
-def _rows(conn: sqlite3.Connection, sql: str, args: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-    return [dict(r) for r in conn.execute(sql, args)]
-
-
-def _flatten(row: dict[str, Any]) -> dict[str, Any]:
-    """A row with its JSON `data` column merged in (row keys win)."""
-    data = row.get("data")
-    if isinstance(data, str):
+def _ticks(conn: sqlite3.Connection, problems: Problems) -> list[Tick]:
+    """The watchdog writes one row per source per tick (same `at`): one Tick per `at`."""
+    by_at: dict[str, dict[str, Any]] = {}
+    for at, source, data in conn.execute("SELECT at, source, data FROM samples ORDER BY id"):
+        sources = by_at.setdefault(str(at), {})
         try:
-            obj = json.loads(data)
-        except ValueError:
-            obj = None
-        if isinstance(obj, dict):
-            return {**obj, **{k: v for k, v in row.items() if k != "data"}}
-    return row
-
-
-def _merge_sources(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The watchdog writes one row per source per tick (same `at`): one dict per tick,
-    {"at": ..., "<source>": <its data>}. Rows without a `source` column are flattened as they are."""
-    if not rows or "source" not in rows[0]:
-        return [_flatten(r) for r in rows]
-    ticks: dict[Any, dict[str, Any]] = {}
-    for r in rows:
-        tick = ticks.setdefault(r.get("at"), {"at": r.get("at")})
-        data = r.get("data")
-        try:
-            tick[str(r["source"])] = json.loads(data) if isinstance(data, str) else data
-        except ValueError:
+            sources[str(source)] = json.loads(data)
+        except ValueError as e:
+            sources.setdefault("_bad", f"source {source}: not JSON ({e})")
+    out = []
+    problems.rows = len(by_at)
+    for at, sources in by_at.items():
+        bad = sources.pop("_bad", None)
+        if bad:
+            problems.add(f"tick {at}", ProtocolError(bad))
             continue
-    return list(ticks.values())
+        try:
+            tick: Tick = decode(Tick, {"at": at, **sources})
+        except ProtocolError as e:
+            problems.add(f"tick {at}", e)
+            continue
+        odd = [k for k in (tick.procs or {}) if not k.isdigit()]
+        if odd:
+            problems.add(f"tick {at}", ProtocolError(f"procs: key {odd[0]!r} is not a pid"))
+            continue
+        out.append(tick)
+    return out
+
+
+def _soak_status(conn: sqlite3.Connection, problems: Problems) -> list[SoakStatusRecord]:
+    out = []
+    for i, (at, data) in enumerate(conn.execute("SELECT at, data FROM soak_status ORDER BY id")):
+        problems.rows = i + 1
+        try:
+            out.append(decode(SoakStatusRecord, json.loads(data)))
+        except (ProtocolError, ValueError) as e:
+            problems.add(f"soak_status at {at}", e)
+    return out
+
+
+_META_TYPES: dict[str, tuple[type, ...]] = {"gpu_profile": (str,), "gpu_budget_mb": (int, float), "gpu_names": (list,)}
+
+
+def _meta_ok(name: str, v: Any) -> bool:
+    if name == "gpu_names":
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+    return isinstance(v, _META_TYPES[name]) and not isinstance(v, bool)
+
+
+def _watchdog_meta(conn: sqlite3.Connection, problems: Problems) -> WatchdogMeta:
+    found: dict[str, Any] = {}
+    for key, value in conn.execute("SELECT key, value FROM meta WHERE key LIKE 'watchdog.%'"):
+        name = str(key).removeprefix("watchdog.")
+        if name not in _META_TYPES:
+            continue  # a newer watchdog's key: not ours to read
+        problems.rows += 1
+        try:
+            v: Any = json.loads(value)
+        except ValueError as e:
+            problems.add(f"meta {key}", e)
+            continue
+        if not _meta_ok(name, v):
+            problems.add(f"meta {key}", ProtocolError(f"value {v!r} is not {'/'.join(t.__name__ for t in _META_TYPES[name])}"))
+            continue
+        found[name] = tuple(v) if name == "gpu_names" else float(v) if name == "gpu_budget_mb" else v
+    return WatchdogMeta(**found)
+
+
+def _requests(conn: sqlite3.Connection, d: LedgerData) -> None:
+    ids = tuple(r.id for r in d.runs)
+    marks = ",".join("?" for _ in ids)
+    cur = conn.execute(f"SELECT {', '.join(REQUEST_FIELDS)}, error FROM requests "
+                       f"WHERE run_id IN ({marks}) ORDER BY sent_at", ids)
+    cols: list[list[Any]] = [[] for _ in REQUEST_FIELDS]
+    for r in cur:
+        for i in range(len(REQUEST_FIELDS)):
+            cols[i].append(r[i])
+        d.errors.append(r[len(REQUEST_FIELDS)])
+    d.requests = {k: np.array([np.nan if v is None else v for v in c], dtype=float)
+                  for k, c in zip(REQUEST_FIELDS, cols)}
 
 
 def load(path: str | Path, run_id: int | None = None) -> LedgerData:
-    conn = _open(path)
+    """Everything the report shows; LedgerError when the file is not a ledger, or `run_id`
+    names no soak run in it."""
+    conn = ledger.open_readonly(path)
+    p = ledger.db_path(path)
     try:
-        t = _tables(conn)
-        d = LedgerData(path=str(db_path(path)))
-        if "meta" in t:
-            for r in _rows(conn, "SELECT key, value FROM meta"):
-                try:
-                    d.meta[r["key"]] = json.loads(r["value"])
-                except ValueError:
-                    d.meta[r["key"]] = r["value"]
-        if "generations" in t:
-            d.generations = _rows(conn, "SELECT * FROM generations ORDER BY started_at, id")
-        if "recycles" in t:
-            d.recycles = _rows(conn, "SELECT * FROM recycles ORDER BY started_at, id")
-        if "failures" in t:
-            d.failures = _rows(conn, "SELECT * FROM failures ORDER BY at, id")
+        t = ledger.tables(conn)
+        d = LedgerData(path=str(p), runtime=ledger.read_runtime(conn))
+        d.watchdog_meta = _watchdog_meta(conn, d.meta_problems)
         if "incidents" in t:
-            d.incidents = [_flatten(r) for r in _rows(conn, "SELECT * FROM incidents")]
+            d.incidents = [Incident(*r) for r in conn.execute(
+                "SELECT kind, cause, class, detected_at, action, restored_at FROM incidents ORDER BY id")]
         if "samples" in t:
-            d.samples = _merge_sources(_rows(conn, "SELECT * FROM samples ORDER BY id"))
+            d.ticks = _ticks(conn, d.tick_problems)
         if "soak_samples" in t:
-            d.soak_samples = _rows(conn, "SELECT * FROM soak_samples ORDER BY at, id")
+            d.soak_samples = [SoakSample(*r) for r in conn.execute(
+                f"SELECT {', '.join(SOAK_SAMPLE_FIELDS)} FROM soak_samples ORDER BY at, id")]
         if "soak_status" in t:
-            d.soak_status = [_flatten(r) for r in _rows(conn, "SELECT * FROM soak_status ORDER BY id")]
+            d.soak_status = _soak_status(conn, d.status_problems)
         if "runs" in t:
             where, args = ("WHERE id = ?", (run_id,)) if run_id is not None else ("", ())
-            d.runs = _rows(conn, f"SELECT * FROM runs {where} ORDER BY id", args)
+            d.runs = [SoakRun(*r) for r in conn.execute(f"SELECT {', '.join(RUN_FIELDS)} FROM runs {where} ORDER BY id",
+                                                        args)]
+        if run_id is not None and not d.runs:
+            known = [r[0] for r in conn.execute("SELECT id FROM runs ORDER BY id")] if "runs" in t else []
+            raise LedgerError(f"--run-id has value {run_id}: no soak run with that id in {p} "
+                              f"(runs: {', '.join(map(str, known)) or 'none'})")
         if "requests" in t and d.runs:
-            ids = tuple(int(r["id"]) for r in d.runs)
-            marks = ",".join("?" for _ in ids)
-            cur = conn.execute(f"SELECT {', '.join(REQUEST_FIELDS)}, error FROM requests "
-                               f"WHERE run_id IN ({marks}) ORDER BY sent_at", ids)
-            cols: list[list[Any]] = [[] for _ in REQUEST_FIELDS]
-            for r in cur:
-                for i in range(len(REQUEST_FIELDS)):
-                    cols[i].append(r[i])
-                d.errors.append(r[len(REQUEST_FIELDS)])
-            d.requests = {k: np.array([np.nan if v is None else v for v in c], dtype=float)
-                          for k, c in zip(REQUEST_FIELDS, cols)}
+            _requests(conn, d)
         return d
+    except sqlite3.DatabaseError as e:  # a table of another shape: a ledger of another version
+        raise LedgerError(f"{p}: cannot read it as a vllm-guard ledger ({e})") from e
     finally:
         conn.close()

@@ -10,90 +10,74 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
-from vllm_guard.runtime.ledger import parse_iso
+from vllm_guard.core.samples import Tick
+from vllm_guard.core.timefmt import epoch
 
 from .leak import Series, group_slope, stratified_slope, time_to_limit_h
+from .ledgerread import SoakSample
 
 METRICS = ("rss_mb", "uss_mb", "gpu_mb")
 
 
-def _epoch(v: Any) -> float | None:
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str) and v:
-        try:
-            return parse_iso(v).timestamp()
-        except ValueError:
-            return None
-    return None
+@dataclass(frozen=True)
+class MemPoint:
+    """One process's memory at one time, from either source."""
+
+    t: float  # epoch seconds
+    generation: int | None
+    role: str
+    pid: int
+    requests: int | None  # requests its generation had served
+    rss_mb: float | None
+    uss_mb: float | None
+    gpu_mb: float | None
+    host_available_mb: float | None
+
+    def metric(self, name: str) -> float | None:
+        v: float | None = getattr(self, name)
+        return v
 
 
-def _find_per_process(obj: Any, depth: int = 0) -> dict[str, dict[str, Any]] | None:
-    """The first {pid: {"rss_mb": ...}} mapping inside a watchdog sample, wherever it sits."""
-    if not isinstance(obj, dict) or depth > 4:
-        return None
-    vals = list(obj.values())
-    if vals and all(isinstance(v, dict) and "rss_mb" in v for v in vals) and all(str(k).isdigit() for k in obj):
-        return obj
-    for v in vals:
-        found = _find_per_process(v, depth + 1)
-        if found:
-            return found
-    return None
-
-
-def _dig(obj: dict[str, Any], *paths: tuple[str, ...]) -> Any:
-    for path in paths:
-        cur: Any = obj
-        for k in path:
-            cur = cur.get(k) if isinstance(cur, dict) else None
-        if cur is not None:
-            return cur
-    return None
-
-
-def points_from_watchdog(samples: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for s in samples or []:
-        per = _find_per_process(s)
-        if not per:
+def points_from_watchdog(ticks: list[Tick] | None) -> list[MemPoint]:
+    """Per-process points of the ticks that have `procs` (GPU MB from the same tick's NVML)."""
+    out: list[MemPoint] = []
+    for s in ticks or []:
+        t = epoch(s.at)
+        if not s.procs or t is None:
             continue
-        t = _epoch(_dig(s, ("at",), ("at_s",), ("memory", "current", "at")))
-        gen = _dig(s, ("generation",), ("status", "generation"))
-        req = _dig(s, ("requests_generation",), ("memory", "current", "requests"),
-                   ("status", "memory", "current", "requests"), ("status", "requests_generation"))
-        gpu_by_pid = {}
-        nv = s.get("nvml") if isinstance(s.get("nvml"), dict) else s
-        for g in nv.get("gpus") or []:
-            for p in (g.get("processes") or []) if isinstance(g, dict) else []:
-                if isinstance(p, dict) and p.get("used_mb") is not None:
-                    gpu_by_pid[str(p.get("pid"))] = float(p["used_mb"])
-        avail = _dig(s, ("mem_available_mb",), ("host", "mem_available_mb"), ("host_available_mb",))
-        for pid, m in per.items():
-            out.append({"t": t, "generation": gen, "role": m.get("role", "?"), "pid": int(pid),
-                        "requests": req, "rss_mb": m.get("rss_mb"), "uss_mb": m.get("uss_mb"),
-                        "gpu_mb": m.get("gpu_mb", gpu_by_pid.get(str(pid))), "host_available_mb": avail})
-    return [p for p in out if p["t"] is not None]
+        gpu_by_pid = {p.pid: p.used_mb for g in (s.nvml.gpus if s.nvml else []) for p in g.processes
+                      if p.used_mb is not None}
+        gen = s.status.generation if s.status else None
+        req = s.status.requests_generation if s.status else None
+        avail = s.host.mem_available_mb if s.host else None
+        for pid, m in s.procs.items():
+            out.append(MemPoint(t, gen, m.role.value, int(pid), req, m.rss_mb, m.uss_mb, gpu_by_pid.get(int(pid)), avail))
+    return out
 
 
-def points_from_soak(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"t": _epoch(r["at"]), "generation": r["generation"], "role": r["role"], "pid": r["pid"],
-             "requests": r["requests_generation"], "rss_mb": r["rss_mb"], "uss_mb": r["uss_mb"],
-             "gpu_mb": r["gpu_mb"], "host_available_mb": r["host_available_mb"]} for r in rows if r.get("at")]
+def points_from_soak(rows: list[SoakSample]) -> list[MemPoint]:
+    out = []
+    for r in rows:
+        t = epoch(r.at)
+        if t is not None:
+            out.append(MemPoint(t, r.generation, r.role or "?", r.pid, r.requests_generation, r.rss_mb, r.uss_mb,
+                                r.gpu_mb, r.host_available_mb))
+    return out
 
 
-def _series(points: list[dict[str, Any]], metric: str, by_requests: bool) -> list[Series]:
+def _series(points: list[MemPoint], metric: str, by_requests: bool) -> list[Series]:
     groups: dict[Any, Series] = {}
     t0: dict[Any, float] = {}
-    for p in sorted(points, key=lambda p: p["t"]):
-        y = p.get(metric)
+    for p in sorted(points, key=lambda p: p.t):
+        y = p.metric(metric)
         if y is None:
             continue
-        key = p["generation"] if p["generation"] is not None else f"pid{p['pid']}"
-        t0.setdefault(key, p["t"])
-        x = p["requests"] if by_requests else (p["t"] - t0[key]) / 3600.0
+        key: int | str = p.generation if p.generation is not None else f"pid{p.pid}"
+        t0.setdefault(key, p.t)
+        x = p.requests if by_requests else (p.t - t0[key]) / 3600.0
         if x is None:
             continue
         groups.setdefault(key, Series(key if isinstance(key, int) else -1)).x.append(float(x))
@@ -101,34 +85,37 @@ def _series(points: list[dict[str, Any]], metric: str, by_requests: bool) -> lis
     return list(groups.values())
 
 
-def leak_report(points: list[dict[str, Any]], source: str | None, confidence: float = 0.90,
+def leak_report(points: list[MemPoint], source: str | None, confidence: float = 0.90,
                 warmup_requests: int = 20) -> dict[str, Any]:
     if not points:
         return {"source": None, "processes": [], "note": "no memory samples: run the watchdog, or give the soak "
                 "--state-dir so it records the guard's memory readings"}
-    kept = [p for p in points if p["requests"] is None or p["requests"] >= warmup_requests]
-    by_role: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    kept = [p for p in points if p.requests is None or p.requests >= warmup_requests]
+    by_role: dict[str, list[MemPoint]] = defaultdict(list)
     for p in kept:
-        by_role[p["role"] or "?"].append(p)
-    avail = [p["host_available_mb"] for p in sorted(points, key=lambda p: p["t"]) if p.get("host_available_mb")]
+        by_role[p.role or "?"].append(p)
+    avail = [p.host_available_mb for p in sorted(points, key=lambda p: p.t) if p.host_available_mb]
     headroom = avail[-1] if avail else None
-    procs = []
+    procs: list[dict[str, Any]] = []
+    rss_slopes: list[float] = []
     for role in sorted(by_role):
         pts = by_role[role]
         for metric in METRICS:
-            if not any(p.get(metric) for p in pts):
+            if not any(p.metric(metric) for p in pts):
                 continue
             per_req = stratified_slope(_series(pts, metric, True), confidence).scaled(100.0)
             per_h = stratified_slope(_series(pts, metric, False), confidence)
-            last = max(pts, key=lambda p: p["t"]).get(metric)
+            last = max(pts, key=lambda p: p.t).metric(metric)
             gens = [{"generation": s.generation, **group_slope(s.x, s.y, confidence).scaled(100.0).to_dict()}
                     for s in _series(pts, metric, True)]
+            if metric == "rss_mb":
+                rss_slopes.append(per_h.slope or 0.0)
             procs.append({
                 "role": role, "metric": metric, "per_100_requests": per_req.to_dict(), "per_hour": per_h.to_dict(),
                 "last_mb": last, "per_generation_per_100_requests": gens,
                 "time_to_oom_h": time_to_limit_h(headroom, per_h.slope) if metric != "gpu_mb" else None,
             })
-    host_slope = sum(p["per_hour"]["slope"] or 0.0 for p in procs if p["metric"] == "rss_mb")
+    host_slope = sum(rss_slopes)
     tto = time_to_limit_h(headroom, host_slope)
     return {
         "source": source, "confidence": confidence, "warmup_requests": warmup_requests,

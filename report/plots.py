@@ -13,9 +13,11 @@ import matplotlib.dates as mdates  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from vllm_guard.core.ledger import UNPLANNED  # noqa: E402
+from vllm_guard.core.timefmt import epoch  # noqa: E402
+
 from . import memory, thermal  # noqa: E402
 from .ledgerread import LedgerData  # noqa: E402
-from .service import _t  # noqa: E402
 
 MAX_POINTS = 5000
 
@@ -32,13 +34,13 @@ def _dates(t: np.ndarray) -> np.ndarray:
 
 
 def _markers(ax: Any, d: LedgerData) -> None:
-    for i, r in enumerate(d.recycles):
-        t = _t(r.get("started_at"))
+    for i, r in enumerate(d.runtime.recycles):
+        t = epoch(r.started_at)
         if t is not None:
             ax.axvline(_dates(np.array([t]))[0], color="tab:gray", ls="--", lw=1,
                        label="recycle" if i == 0 else None)
-    for i, f in enumerate(x for x in d.failures if x.get("class", "unplanned") == "unplanned"):
-        t = _t(f.get("at"))
+    for i, f in enumerate(x for x in d.runtime.failures if x.cls == UNPLANNED):
+        t = epoch(f.at)
         if t is not None:
             ax.axvline(_dates(np.array([t]))[0], color="tab:red", lw=1.5, label="unplanned" if i == 0 else None)
 
@@ -53,17 +55,17 @@ def _finish(ax: Any, title: str, ylabel: str) -> None:
 
 
 def memory_plot(d: LedgerData) -> str | None:
-    pts = memory.points_from_watchdog(d.samples) or memory.points_from_soak(d.soak_samples)
+    pts = memory.points_from_watchdog(d.ticks) or memory.points_from_soak(d.soak_samples)
     if not pts:
         return None
     fig, ax = plt.subplots(figsize=(10, 4))
-    for role in sorted({p["role"] for p in pts}):
-        sel = sorted((p for p in pts if p["role"] == role and p["rss_mb"] is not None), key=lambda p: p["t"])
+    for role in sorted({p.role for p in pts}):
+        sel = sorted((p for p in pts if p.role == role and p.rss_mb is not None), key=lambda p: p.t)
         if not sel:
             continue
-        t = np.array([p["t"] for p in sel])
-        gen = np.array([p["generation"] if p["generation"] is not None else -1 for p in sel])
-        y = np.array([p["rss_mb"] for p in sel], float)
+        t = np.array([p.t for p in sel])
+        gen = np.array([p.generation if p.generation is not None else -1 for p in sel])
+        y = np.array([p.rss_mb for p in sel], float)
         y[1:][np.diff(gen) != 0] = np.nan  # break the line at each recycle
         ax.plot(_dates(t)[: len(y)], y, lw=1.5, label=f"{role} RSS")
     _markers(ax, d)
@@ -93,15 +95,15 @@ def latency_plot(d: LedgerData) -> str | None:
 
 
 def thermal_plot(d: LedgerData) -> str | None:
-    per = thermal.gpu_points(d.samples)
+    per = thermal.gpu_points(d.ticks)
     if not per:
         return None
     fig, ax = plt.subplots(figsize=(10, 4))
     ax2 = ax.twinx()
     for uuid, pts in per.items():
-        t = _dates(np.array([p["t"] for p in pts]))
-        ax.plot(t, [p["temp_c"] if p["temp_c"] is not None else np.nan for p in pts], color="tab:red", label=f"temp {uuid[:12]}")
-        ax2.plot(t, [p["sm_clock_mhz"] if p["sm_clock_mhz"] is not None else np.nan for p in pts], color="tab:blue",
+        t = _dates(np.array([p.t for p in pts]))
+        ax.plot(t, [p.temp_c if p.temp_c is not None else np.nan for p in pts], color="tab:red", label=f"temp {uuid[:12]}")
+        ax2.plot(t, [p.sm_clock_mhz if p.sm_clock_mhz is not None else np.nan for p in pts], color="tab:blue",
                  label=f"SM clock {uuid[:12]}")
     ax2.set_ylabel("MHz")
     _finish(ax, "Temperature (left, C) and SM clock (right, MHz)", "C")

@@ -27,12 +27,10 @@ def _interval(s: dict[str, Any], nd: int = 2) -> str:
     return f"{s['slope']:.{nd}f} [{fmt(s['low'], nd=nd)}, {fmt(s['high'], nd=nd)}]"
 
 
-def _patch_line(p: Any) -> str:
-    """`engine_core: fault-injection, idle-release` (applied patches of one process)."""
-    if not isinstance(p, dict):
-        return str(p)
-    applied = [name for name, st in (p.get("patches") or {}).items() if isinstance(st, dict) and st.get("state") == "applied"]
-    return f"{p.get('process', '?')}: {', '.join(applied) or 'none applied'}"
+def _patch_line(p: dict[str, Any]) -> str:
+    """`engine_core: fault-injection, idle-release` (applied patches of one process's report)."""
+    applied = [name for name, st in p["patches"].items() if st["state"] == "applied"]
+    return f"{p['process']}: {', '.join(applied) or 'none applied'}"
 
 
 def render_text(f: dict[str, Any]) -> str:
@@ -54,6 +52,7 @@ def render_text(f: dict[str, Any]) -> str:
             f"MTTR {fmt(s['mttr_s'], ' s')}",
             f"  downtime planned {fmt(s['downtime_planned_s'], ' s')}, unplanned {fmt(s['downtime_unplanned_s'], ' s')}; "
             f"host reboots {len(s['reboots'])}",
+            f"  requests served {s['requests_served']} in {s['generations']} generations (the runtime's count)",
             f"  recycles: {s['recycles']['scheduled']} scheduled, {s['recycles']['preventive']} preventive",
         ]
         for r in s["recycles"]["list"][-10:]:
@@ -76,7 +75,8 @@ def render_text(f: dict[str, Any]) -> str:
         out.append(f"  {t['note']}")
     for g in t["gpus"]:
         out.append(f"  {g['name']} {g['uuid']}: max {fmt(g['max_temp_c'], ' C', 0)}, throttled "
-                   f"{fmt(None if g['throttled_share'] is None else 100 * g['throttled_share'], ' %')}, SM clock p50 "
+                   f"{fmt(None if g['throttled_share'] is None else 100 * g['throttled_share'], ' %')}, power capped "
+                   f"{fmt(None if g['power_capped_share'] is None else 100 * g['power_capped_share'], ' %')}, SM clock p50 "
                    f"{fmt(g['sm_clock_p50_mhz'], ' MHz', 0)} of {fmt(g['sm_clock_max_mhz'], ' MHz', 0)} "
                    f"(drop {fmt(g['clock_drop_pct'], ' %')}); throughput throttled {fmt(g['throughput_throttled_rps'], ' req/s', 2)}"
                    f" vs {fmt(g['throughput_unthrottled_rps'], ' req/s', 2)}")
@@ -98,8 +98,12 @@ def render_text(f: dict[str, Any]) -> str:
     else:
         out += ["", "INCIDENTS"] + [f"  {i['detected_at']} {i['kind']} ({i['class']}): {i['cause']} -> {i['action']}"
                                     for i in f["incidents"]["list"][-20:]]
-    if not f["watchdog_samples"]["present"]:
+    if f["watchdog_samples"]["note"]:
         out.append(f"note: {f['watchdog_samples']['note']}")
+    st = f["soak_status"]
+    if st["invalid"]:
+        out.append(f"note: {st['invalid']} of {st['count'] + st['invalid']} soak status records do not match the "
+                   f"schema and were not used (a soak of another version?); first: {st['first_error']}")
     return "\n".join(out) + "\n"
 
 
@@ -121,7 +125,8 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, A
     for name, path in (("up h", ("service", "up_h")), ("availability", ("service", "availability")),
                        ("unplanned failures", ("service", "failures_unplanned")),
                        ("MTBF h", ("service", "mtbf", "mtbf_h")), ("MTBF lower h", ("service", "mtbf", "lower_one_sided_h")),
-                       ("MTTR s", ("service", "mttr_s")), ("requests", ("latency", "requests")),
+                       ("MTTR s", ("service", "mttr_s")), ("requests served", ("service", "requests_served")),
+                       ("soak requests", ("latency", "requests")),
                        ("error rate", ("latency", "error_rate")), ("throughput req/s", ("latency", "throughput_rps")),
                        ("output tok/s", ("latency", "output_tokens_per_s")),
                        ("TTFT p50 s", ("latency", "ttft_s", "p50")), ("TTFT p99 s", ("latency", "ttft_s", "p99")),
@@ -132,7 +137,7 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, A
         rows.append((f"leak {role} {metric} MB/100req", _leak(a, role, metric), _leak(b, role, metric)))
     ta, tb = (f["thermal"]["gpus"][0] if f["thermal"]["gpus"] else {} for f in (a, b))
     for name, key in (("max temp C", "max_temp_c"), ("throttled share", "throttled_share"),
-                      ("SM clock drop %", "clock_drop_pct")):
+                      ("power capped share", "power_capped_share"), ("SM clock drop %", "clock_drop_pct")):
         rows.append((name, ta.get(key), tb.get(key)))
     return rows
 

@@ -16,15 +16,18 @@ import pytest
 from matplotlib import image as mpimg
 
 from conftest import GUARD, ROOT
-from vllm_guard.runtime import ledger as L
-from vllm_guard.soak.store import SoakStore
+from vllm_guard.core import ledger as L
+from vllm_guard.core.samples import HostReading, NvmlRecord
+from vllm_guard.core.timefmt import iso
+from vllm_guard.loadgen.params import SoakParams
+from vllm_guard.loadgen.store import MemoryRow, RequestRow, SoakStore
 
 BASE = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=2)
 MPL_COLORS = {"tab:blue": (31, 119, 180), "tab:orange": (255, 127, 14), "tab:red": (214, 39, 40)}
 
 
 def _iso(s: float) -> str:
-    return L.iso(BASE + dt.timedelta(seconds=s))
+    return iso(BASE + dt.timedelta(seconds=s))
 
 
 def make_ledger(path: Path, gpu: str, leak_mb: float) -> None:
@@ -38,32 +41,38 @@ def make_ledger(path: Path, gpu: str, leak_mb: float) -> None:
     conn.execute("INSERT INTO recycles (generation, trigger, class, started_at, in_flight, duration_s) "
                  "VALUES (1, 'max_requests', 'scheduled', ?, 2, 60)", (_iso(3590),))
     rng = np.random.default_rng(0)
-    for i in range(240):  # one watchdog tick per 30 s, per-source rows like watchdog/store.py
+    host = HostReading(mem_total_mb=64000.0, mem_available_mb=50000.0, swap_used_mb=0.0)
+    for i in range(240):  # one watchdog tick per 30 s, one row per source, records of core.samples
         t = 30.0 * i
         at = _iso(t)
         hot = 0x20 if 4000 < t < 5000 else 0
-        nvml = {"at_s": (BASE + dt.timedelta(seconds=t)).timestamp(), "gpus": [{
-            "uuid": "GPU-1", "name": gpu, "temp_c": 60 + 20 * (hot > 0) + rng.normal(0, 1),
+        nvml = NvmlRecord.model_validate({"at_s": (BASE + dt.timedelta(seconds=t)).timestamp(), "gpus": [{
+            "index": 0, "uuid": "GPU-1", "name": gpu, "temp_c": 60 + 20 * (hot > 0) + rng.normal(0, 1),
             "sm_clock_mhz": 1980 - 300 * (hot > 0), "sm_clock_max_mhz": 1980, "clock_reasons": hot,
-            "processes": [{"pid": 100 + (t > 3600), "used_mb": 900.0}]}]}
-        for src, data in (("nvml", nvml), ("host", {"mem_available_mb": 50000.0})):
-            conn.execute("INSERT INTO samples (at, source, data) VALUES (?, ?, ?)", (at, src, json.dumps(data)))
+            "processes": [{"pid": 100 + (t > 3600), "used_mb": 900.0}]}]})
+        for src, rec in (("nvml", nvml), ("host", host)):
+            conn.execute("INSERT INTO samples (at, source, data) VALUES (?, ?, ?)", (at, src, rec.model_dump_json()))
     conn.close()
     store = SoakStore(path)
-    run = store.create_run("tok-" + gpu, {"url": "http://x", "scenario": "S1", "seed": 0, "duration_s": 7200.0}, "")
+    params = SoakParams(url="http://x", model="tiny", max_model_len=512, scenario="S1", prompt_tokens=16,
+                        output_tokens=16, concurrency=None, rate=0.2, burstiness=1.0, mode="steady",
+                        burst_period_s=60.0, burst_duty=0.25, seed=0, duration_s=7200.0, timeout_s=600.0,
+                        max_requests=None, state_dir=None)
+    run = store.create_run("tok-" + gpu, params, "")
     rows = []
     for i in range(1500):
         t = 60 + i * 4.7
         gen = 1 if i < 750 else 2
-        rows.append({"run_id": run, "at": _iso(t), "generation": gen, "role": "engine_core", "pid": 100 + gen,
-                     "requests_generation": (i if gen == 1 else i - 750), "rss_mb": 700 + leak_mb * (i % 750) + rng.normal(0, 1),
-                     "uss_mb": 600.0, "gpu_mb": 0.0, "host_available_mb": 50000.0})
+        rows.append(MemoryRow(run_id=run, at=_iso(t), generation=gen, state="serving", requests_total=i,
+                              role="engine_core", pid=100 + gen, requests_generation=(i if gen == 1 else i - 750),
+                              rss_mb=700 + leak_mb * (i % 750) + rng.normal(0, 1), uss_mb=600.0, gpu_mb=0.0,
+                              host_available_mb=50000.0))
         sent = (BASE + dt.timedelta(seconds=t)).timestamp()
         ttft = 0.03 + 0.02 * rng.random()
-        store.put_request({"run_id": run, "seq": i, "request_id": f"r{i}", "sent_at": sent, "scheduled_at": sent,
-                           "ended_at": sent + 0.3, "status": 200, "ttft_s": ttft, "ttft_sched_s": ttft, "e2e_s": 0.3,
-                           "e2e_sched_s": 0.3, "itl_mean_s": 0.01, "chunks": 16, "output_tokens": 16,
-                           "error": None if i % 100 else "http_503_recycle", "segment": 0})
+        store.put_request(RequestRow(run_id=run, seq=i, request_id=f"r{i}", sent_at=sent, scheduled_at=sent,
+                                     ended_at=sent + 0.3, status=200, ttft_s=ttft, ttft_sched_s=ttft, e2e_s=0.3,
+                                     e2e_sched_s=0.3, itl_mean_s=0.01, chunks=16, output_tokens=16,
+                                     error=None if i % 100 else "http_503_recycle", segment=0))
     store.put_samples(rows[::3])
     store.close()
 
@@ -145,16 +154,17 @@ def test_compare_two_ledgers_side_by_side(tmp_path: Path) -> None:
 
 
 def test_compare_labels_budgets_emulated_on_one_gpu_by_profile(tmp_path: Path) -> None:
-    """Two budgets on one H200 (issue 7): same GPU name, told apart by the watchdog's profile."""
-    from vllm_guard.watchdog.store import WatchdogLedger
-
+    """Two budgets on one H200: same GPU name, told apart by the profile the watchdog recorded in
+    `meta` (`watchdog.<key>` rows, JSON values)."""
     dbs = []
     for name, profile, mb in (("a", "rtx4090", 24576), ("b", "a100", 81920)):
         db = tmp_path / f"{name}.sqlite"
         make_ledger(db, "NVIDIA H200", 0.3)
-        w = WatchdogLedger(db)
-        w.set_meta({"gpu_profile": profile, "gpu_budget_mb": mb, "gpu_names": ["NVIDIA H200"]})
-        w.close()
+        conn = L.connect(db)
+        conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                         [(f"watchdog.{k}", json.dumps(v)) for k, v in
+                          {"gpu_profile": profile, "gpu_budget_mb": mb, "gpu_names": ["NVIDIA H200"]}.items()])
+        conn.close()
         dbs.append(str(db))
     c = json.loads(report("--compare", *dbs, "--format", "json"))
     label = next(r for r in c["rows"] if r["figure"] == "label")

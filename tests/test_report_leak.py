@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_guard.soak.leak import Series, group_slope, stratified_slope, time_to_limit_h
-from vllm_guard.soak.memory import leak_report, points_from_watchdog
+from vllm_guard.core.samples import Tick
+from vllm_guard.report.leak import Series, group_slope, stratified_slope, time_to_limit_h
+from vllm_guard.report.memory import leak_report, points_from_watchdog
 
 
 def _sawtooth(rate_mb: float, gens: int = 4, n: int = 120, seed: int = 0) -> list[Series]:
@@ -41,21 +42,24 @@ def test_single_group_matches_scipy_and_degenerate_input() -> None:
 
 
 def test_watchdog_rows_are_read_per_tick() -> None:
-    """The watchdog's per-source rows (merged per tick): procs, status, nvml, host."""
+    """The watchdog's per-source records of one tick (core.samples): procs, status, nvml, host."""
     ticks = []
     for i in range(60):
         req = 25 + 10 * i
-        ticks.append({
-            "at": f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}.000Z",
+        ticks.append(Tick.from_sources(f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}.000Z", {
             "procs": {"4242": {"role": "engine_core", "rss_mb": 600 + 0.2 * req, "uss_mb": 500 + 0.2 * req}},
-            "status": {"generation": 1, "requests_generation": req},
-            "nvml": {"gpus": [{"processes": [{"pid": 4242, "used_mb": 900.0}]}]},
-            "host": {"mem_available_mb": 10000.0},
-        })
+            "status": {"state": "serving", "generation": 1, "requests_total": req, "requests_generation": req,
+                       "in_flight": 0, "queued": 0, "failures": 0},
+            "nvml": {"at_s": 1.7e9 + i, "gpus": [{"index": 0, "uuid": "GPU-1", "name": "g",
+                                                   "processes": [{"pid": 4242, "used_mb": 900.0}]}]},
+            "host": {"mem_total_mb": 16000.0, "mem_available_mb": 10000.0, "swap_used_mb": 0.0},
+        }))
     pts = points_from_watchdog(ticks)
-    assert len(pts) == 60 and pts[0]["gpu_mb"] == 900.0
+    assert len(pts) == 60 and pts[0].gpu_mb == 900.0 and pts[0].host_available_mb == 10000.0
     rep = leak_report(pts, "watchdog")
     rss = next(p for p in rep["processes"] if p["metric"] == "rss_mb")
     assert rss["per_100_requests"]["slope"] == pytest.approx(20.0, rel=1e-6)
     assert rss["per_hour"]["slope"] == pytest.approx(0.2 * 10 * 3600, rel=1e-6)
-    assert points_from_watchdog([{"at": "x", "status": {}}]) == [] and leak_report([], None)["processes"] == []
+    no_procs = Tick.from_sources("2026-01-01T00:00:00.000Z", {"host": {"mem_total_mb": 1.0, "mem_available_mb": 1.0,
+                                                                        "swap_used_mb": 0.0}})
+    assert points_from_watchdog([no_procs]) == [] and leak_report([], None)["processes"] == []

@@ -16,14 +16,14 @@ from typing import Any, Iterator
 import pytest
 
 from conftest import GUARD, free_port
-from vllm_guard.soak.arrivals import Schedule
+from vllm_guard.loadgen.arrivals import Schedule
 
 
 class Upstream:
     def __init__(self, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "vllm_guard.soak.upstream", "--port", str(self.port), *args])
+        self.proc = subprocess.Popen([sys.executable, "-m", "vllm_guard.loadgen.upstream", "--port", str(self.port), *args])
         end = time.monotonic() + 30
         while time.monotonic() < end:
             try:
@@ -119,6 +119,7 @@ def test_kill_9_and_resume_account_for_every_request_id(upstream_factory: Any, t
     up = upstream_factory("--chunks", "20", "--chunk-delay", "0.03")  # 0.6 s per request
     db = tmp_path / "l.sqlite"
     args = ("--output-tokens", "20", "--rate", "25", "--duration", "8s", "--seed", "11")
+    db.touch()  # an empty file (as a reader's sqlite3.connect leaves it) is a new ledger, not a foreign one
     p = subprocess.Popen(soak_cmd(up.url, db, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_rows(db, 25)
     p.send_signal(signal.SIGKILL)
@@ -179,3 +180,29 @@ def test_unloadable_tokenizer_is_one_line_exit_2(upstream_factory: Any, tmp_path
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--tokenizer" in out.stderr, out.stderr
     assert up.stats()["posts"] == 0
+
+
+def test_soak_section_of_the_config_then_flags(upstream_factory: Any, tmp_path: Path) -> None:
+    """[soak] of --config (core.config.SoakConfig) gives the defaults, flags win; the whole file
+    is validated, so a typo in another section is one line, exit 2, before anything is sent."""
+    up = upstream_factory()
+    cfg = tmp_path / "guard.toml"
+    cfg.write_text(f'[soak]\nurl = "{up.url}"\nscenario = "custom"\nprompt_tokens = 16\noutput_tokens = 4\n'
+                   f'rate = 40\nseed = 3\nduration = "1s"\ndb = "{tmp_path / "c.sqlite"}"\n')
+    out = subprocess.run([GUARD, "soak", "--config", str(cfg), "--no-progress", "--rate", "20"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    params = json.loads(rows(tmp_path / "c.sqlite", "SELECT params FROM runs")[0][0])
+    assert (params["rate"], params["seed"], params["duration_s"], params["url"]) == (20.0, 3, 1.0, up.url)
+    assert up.stats()["posts"] == Schedule(20.0, 1.0, 3).count_within(1.0)
+    for text, says in (('[soak]\nrat = 5\n', "[soak] rat is not a known key"),
+                       ('[soak]\nduration = "soon"\n', "[soak] duration has value 'soon'"),
+                       ('[watchdog]\nintervall = "1s"\n', "[watchdog] intervall is not a known key")):
+        cfg.write_text(text)
+        out = subprocess.run([GUARD, "soak", "--config", str(cfg), "--url", up.url, "--db", str(tmp_path / "x.sqlite")],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and says in out.stderr, (text, out.stderr)
+    out = subprocess.run([GUARD, "soak", "--url", up.url, "--db", str(tmp_path / "x.sqlite"), "--duration", "soon"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "duration has value 'soon'" in out.stderr
+    assert up.stats()["posts"] == Schedule(20.0, 1.0, 3).count_within(1.0)  # nothing more was sent

