@@ -235,6 +235,11 @@ def connect(path: str | Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite3
     conn = sqlite3.connect(str(p), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
     try:
         conn.row_factory = sqlite3.Row
+        have = tables(conn)
+        if have and ("meta" not in have or conn.execute(
+                "SELECT 1 FROM meta WHERE key = 'schema_version'").fetchone() is None):
+            raise LedgerError(f"{p} is an SQLite file of something else (tables: {', '.join(sorted(have)[:5])}); "
+                              "refusing to add the ledger's tables to it")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
@@ -243,6 +248,9 @@ def connect(path: str | Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite3
     except sqlite3.DatabaseError as e:
         conn.close()
         raise LedgerError(f"{p} is not a usable vllm-guard ledger: {e}") from e
+    except LedgerError:
+        conn.close()
+        raise
     return conn
 
 
