@@ -23,7 +23,7 @@ from vllm_guard.core.timefmt import utcnow
 
 from . import procs
 from .generation import Generation
-from .hang import ProgressWindow, Verdict, miss_counts
+from .hang import ENGINE_PROGRESS, ProgressWindow, Verdict, miss_counts
 from .ledger import RuntimeLedger
 from .triggers import Growth
 
@@ -35,20 +35,38 @@ if TYPE_CHECKING:
 log = structlog.get_logger("vllm_guard.monitors")
 
 STATUS_EVERY_S = 1.0
-_PROGRESS = {Verdict.MOVING: True, Verdict.STALLED: False, Verdict.UNKNOWN: None, Verdict.TOO_SHORT: None}
+_WHY = {Verdict.STALLED: "no token moved", Verdict.SILENT: "neither /metrics answered nor the API server used CPU"}
+
+
+# -- ready ------------------------------------------------------------------------------------
+async def wait_ready(gen: Generation, http: aiohttp.ClientSession, cfg: ProbeConfig,
+                     on_version: Callable[[str], None], wake: Callable[[], None]) -> None:
+    """Ready means /health 200 *and* a real 1-token completion (`gen.ready_mono` set)."""
+    b = gen.backend
+    while b.returncode is None:
+        if await b.health(http):
+            res = await b.probe(http, cfg.prompt, cfg.timeout * 3)
+            if res.ok:
+                on_version(await b.version(http))
+                gen.ready_mono = time.monotonic()
+                wake()
+                return
+            log.info("ready_probe_failed", generation=b.generation, error=res.error)
+        await asyncio.sleep(1.0)
 
 
 # -- the probe --------------------------------------------------------------------------------
 async def _scrape(gen: Generation, http: aiohttp.ClientSession, window: ProgressWindow) -> None:
     m = await gen.backend.metrics(http)
-    window.add(time.monotonic(), None if m is None else m.tokens)
+    cpu = await asyncio.to_thread(procs.cpu_seconds, gen.backend.pid)
+    window.add(time.monotonic(), None if m is None else m.tokens, cpu)
 
 
 async def probe_loop(gen: Generation, http: aiohttp.ClientSession, cfg: ProbeConfig,
                      on_probe: Callable[[ProbeSummary], None], wake: Callable[[], None]) -> None:
-    """A 1-token completion every `interval`. A failed one counts toward a hang only if vLLM's
-    token counters did not move over the whole window (see `hang`); `failures` such misses in a
-    row make the generation hung (`gen.hang`)."""
+    """A 1-token completion every `interval`. A failed one counts toward a hang only if nothing
+    progressed over the whole window (see `hang`); `failures` such misses in a row make the
+    generation hung (`gen.hang`)."""
     b = gen.backend
     window = ProgressWindow(keep=max(cfg.progress_window, cfg.timeout) + cfg.interval)
     step = max(0.5, min(cfg.interval, cfg.progress_window / 4, 5.0))
@@ -68,7 +86,7 @@ async def probe_loop(gen: Generation, http: aiohttp.ClientSession, cfg: ProbeCon
             await asyncio.sleep(step)
             await _scrape(gen, http, window)
             verdict = window.verdict(time.monotonic(), span)
-        progress = _PROGRESS[verdict]
+        progress = ENGINE_PROGRESS.get(verdict)
         on_probe(ProbeSummary(at=utcnow(), ok=False, latency_s=round(res.latency_s, 3), error=res.error or None,
                               engine_progress=progress))
         log.warning("probe_failed", generation=b.generation, error=res.error, engine_progress=progress,
@@ -78,8 +96,7 @@ async def probe_loop(gen: Generation, http: aiohttp.ClientSession, cfg: ProbeCon
             continue
         misses += 1
         if misses >= cfg.failures:
-            why = "no token moved" if verdict is Verdict.STALLED else "/metrics did not answer either"
-            gen.hang = f"probe failed ({res.error}) and {why} in {span:.0f} s"
+            gen.hang = f"probe failed ({res.error}) and {_WHY[verdict]} in {span:.0f} s"
             wake()
             return
 

@@ -133,6 +133,15 @@ def reap(pids: Iterable[int]) -> list[int]:
     return done
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process has used; None when it is gone."""
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return float(t.user + t.system)
+
+
 def start_time(pid: int) -> float | None:
     try:
         return float(psutil.Process(pid).create_time())

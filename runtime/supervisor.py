@@ -16,7 +16,6 @@ import collections
 import enum
 import os
 import signal
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -28,19 +27,19 @@ from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.errors import EXIT_BOOT_ERROR, EXIT_FAILURE_LIMIT, EXIT_OK
 from vllm_guard.core.ledger import EndClass, FailureKind
 from vllm_guard.core.notify import Notifier
-from vllm_guard.core.protocol import Command, CommandRequest, ProbeSummary, StatusSnapshot
+from vllm_guard.core.protocol import ProbeSummary, StatusSnapshot
 from vllm_guard.core.timefmt import utcnow
 
-from . import monitors, procs
+from . import lifecycle, monitors, procs
 from .backend import Backend, child_env, free_port
-from .commands import Commands, Stop
+from .commands import Commands
 from .generation import Generation
 from .holdfile import HoldFile
 from .ledger import RuntimeLedger
 from .machine import Machine, State
 from .proxy import Proxy, Target
 from .records import FailureRecord, Recent, RecycleRecord
-from .status import snapshot, status_line, visible_gpu_name
+from .status import snapshot, status_line
 from .triggers import Readings, generation_limit, recycle_trigger
 
 if TYPE_CHECKING:
@@ -53,7 +52,6 @@ log = structlog.get_logger("vllm_guard.supervisor")
 TICK_S = 0.25
 OVERRUN_GRACE_S = 60.0
 EXTEND_S = 60.0
-KEEP_LOGS = 20
 # Test hook: "ready" makes the supervisor raise once a generation is ready, to prove that
 # `run()` stops the vLLM group on an unexpected exception too.
 FAULT_VAR = "VLLM_GUARD_RUNTIME_FAULT"
@@ -110,8 +108,8 @@ class Supervisor:
         self.last_probe: ProbeSummary | None = None
         self.reaper = procs.Reaper()
         self.http: aiohttp.ClientSession | None = None
-        self._admin: Any = None
-        self._tasks: list[asyncio.Task[Any]] = []
+        self.admin: Any = None  # the admin socket's runner
+        self.tasks: list[asyncio.Task[Any]] = []  # the runtime's own (the status monitor)
         self._steps: dict[State, Callable[[], Awaitable[None]]] = {
             State.STARTING: self._step_starting,
             State.SERVING: self._step_serving,
@@ -137,7 +135,7 @@ class Supervisor:
     # -- the runbook ---------------------------------------------------------------------------
     async def run(self, admin_start: Callable[[Supervisor], Awaitable[Any]] | None = None) -> int:
         try:
-            await self._open(admin_start)
+            await lifecycle.open_runtime(self, admin_start)
             while self.state is not State.EXITING:
                 await self._sleep()
                 await self.commands.handle()
@@ -146,33 +144,9 @@ class Supervisor:
                     await step()
                 await self._heartbeat()
         finally:
-            await self._close()
+            await lifecycle.close_runtime(self)
         log.info("runtime_exited", exit_code=self.exit_code)
         return self.exit_code
-
-    async def _open(self, admin_start: Callable[[Supervisor], Awaitable[Any]] | None) -> None:
-        import aiohttp
-
-        from vllm_guard.core.nvml import NvmlSession
-
-        procs.become_subreaper()
-        self._install_signals()
-        self.http = aiohttp.ClientSession()
-        self.nvml = await asyncio.to_thread(NvmlSession)
-        self.gpu_name = visible_gpu_name(self.nvml, os.environ)
-        orphans = await self._kill_orphans()
-        self.ledger.close_open_generations(FailureKind.RUNTIME_LOST.value)
-        await self.proxy.start()
-        if admin_start is not None:
-            self._admin = await admin_start(self)  # keep a reference: a dropped runner closes
-        self._tasks.append(asyncio.create_task(monitors.status_loop(lambda: self.gen, self.state_dir, self.wake)))
-        log.info("runtime_started", port=self.cfg.server.port, state_dir=str(self.state_dir), model=self.model,
-                 gpu=self.gpu_name or None, hold=self.hold, next_generation=self.generation + 1,
-                 orphans_killed=orphans)
-        if self.hold:
-            await self.enter_held()
-        else:
-            await self.start_generation()
 
     async def _sleep(self) -> None:
         try:
@@ -184,17 +158,13 @@ class Supervisor:
     def wake(self) -> None:
         self._wakeup.set()
 
-    def _install_signals(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.commands.put, Stop(sig.name))
-        loop.add_signal_handler(signal.SIGHUP, self.commands.put, CommandRequest(command=Command.RECYCLE, reason="sighup"))
-
     def enter(self, state: State, timeout: float | None = None) -> None:
+        first = not self.machine.entered
         old = self.machine.enter(state, time.monotonic(), timeout)
         self._overrun_logged = False
-        log.info("state", old=old.value, new=state.value, generation=self.generation, deadline_s=timeout)
-        self._send_status()
+        log.info("state", old=None if first else old.value, new=state.value, generation=self.generation,
+                 deadline_s=timeout)
+        self.send_status()
 
     # -- generation life -----------------------------------------------------------------------
     async def start_generation(self) -> None:
@@ -212,28 +182,15 @@ class Supervisor:
             self.exit_code = EXIT_BOOT_ERROR
             self.enter(State.EXITING)
             return
-        await asyncio.to_thread(_prune_logs, logs)
+        await asyncio.to_thread(lifecycle.prune_logs, logs)
         row = self.ledger.generation_started(n, backend.pid, backend.pid_started, self.model)
         self.gen = gen = Generation(n, backend, target, row)
         log.info("generation_starting", generation=n, pid=backend.pid, backend=backend.url, max_requests=target.limit,
                  log=str(backend.log_path))
-        gen.tasks.append(asyncio.create_task(self._wait_ready(gen)))
-        self.enter(State.STARTING, s.startup_timeout)
-
-    async def _wait_ready(self, gen: Generation) -> None:
-        """Ready means /health 200 *and* a real 1-token completion."""
         assert self.http is not None
-        b = gen.backend
-        while b.returncode is None:
-            if await b.health(self.http):
-                res = await b.probe(self.http, self.cfg.probe.prompt, self.cfg.probe.timeout * 3)
-                if res.ok:
-                    self.vllm_version = await b.version(self.http)
-                    gen.ready_mono = time.monotonic()
-                    self.wake()
-                    return
-                log.info("ready_probe_failed", generation=b.generation, error=res.error)
-            await asyncio.sleep(1.0)
+        gen.tasks.append(asyncio.create_task(monitors.wait_ready(gen, self.http, self.cfg.probe, self._on_version,
+                                                                 self.wake)))
+        self.enter(State.STARTING, s.startup_timeout)
 
     async def _step_starting(self) -> None:
         gen = self._current()
@@ -283,6 +240,9 @@ class Supervisor:
 
     def _on_probe(self, summary: ProbeSummary) -> None:
         self.last_probe = summary
+
+    def _on_version(self, version: str) -> None:
+        self.vllm_version = version
 
     async def _step_serving(self) -> None:
         gen = self._current()
@@ -455,7 +415,7 @@ class Supervisor:
             raise RuntimeError(f"state {self.state.value} without a generation")
         return self.gen
 
-    # -- systemd, orphans and the way out ------------------------------------------------------
+    # -- systemd -------------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
         now = time.monotonic()
         if self.reaper.later:
@@ -467,51 +427,8 @@ class Supervisor:
         if not overrun and self.notifier.watchdog_due(now):
             self.notifier.watchdog(now)
         if now - self._status_sent >= 2.0:
-            self._send_status()
+            self.send_status()
 
-    def _send_status(self) -> None:
+    def send_status(self) -> None:
         self._status_sent = time.monotonic()
         self.notifier.status(status_line(self))
-
-    async def _kill_orphans(self) -> list[int]:
-        """The vLLM trees of generations a killed runtime left running (pid and start time from
-        the ledger): killed before anything else starts."""
-        try:
-            left = self.ledger.open_generations()
-        except sqlite3.Error as e:  # an unreadable ledger must not keep the service down
-            log.error("ledger_read_failed", error=f"{type(e).__name__}: {e}")
-            return []
-        killed: list[int] = []
-        for g in left:
-            pids = await asyncio.to_thread(procs.kill_recorded_tree, g.pid, g.pid_started) if g.pid else []
-            if pids:
-                log.warning("orphan_generation_killed", generation=g.generation, pids=pids)
-            killed += pids
-        return killed
-
-    async def _close(self) -> None:
-        """Every way out: no vLLM process of ours survives, then the rest is closed."""
-        for task in self._tasks:
-            task.cancel()
-        gen = self.gen
-        if gen is not None:
-            gen.cancel_tasks()
-            await gen.backend.kill_for_good()
-            if not gen.ended:  # the runtime itself failed (an exception) with this generation
-                gen.ended = True
-                self.ledger.generation_ended(gen.row, "runtime_error", EndClass.UNPLANNED.value,
-                                             gen.target.completed)
-        await self.proxy.stop()
-        if self._admin is not None:
-            await self._admin.cleanup()
-        if self.http is not None:
-            await self.http.close()
-        if self.nvml is not None:
-            self.nvml.close()
-        await asyncio.to_thread(self.ledger.close)
-
-
-def _prune_logs(logs: Path) -> None:
-    old = sorted(logs.glob("generation-*.log"), key=lambda p: p.stat().st_mtime)[:-KEEP_LOGS]
-    for p in old:
-        p.unlink(missing_ok=True)

@@ -79,9 +79,9 @@ def test_a_starved_engine_that_keeps_moving_is_not_a_hang(srv: GuardServer) -> N
             return list(await asyncio.gather(*(stream_completion(client, srv.url, srv.model, 4000, timeout=900)
                                                for _ in range(4))))
 
-    def starved_probes() -> list[dict[str, Any]]:
+    def starved_probes() -> list[dict[str, Any]]:  # timed out, but tokens moved or the server worked
         return [e for e in srv.events() if e.get("event") == "probe_failed" and e.get("generation") == gen
-                and e.get("engine_progress") is True]
+                and e.get("verdict") in ("moving", "busy")]
 
     rounds = 0
     while not starved_probes() and rounds < 6:  # until a probe timed out behind the streams

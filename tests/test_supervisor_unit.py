@@ -240,10 +240,32 @@ def test_a_young_generation_that_moves_is_moving_at_once() -> None:
     assert w.verdict(now=104.0, span=30.0) is Verdict.MOVING
 
 
-def test_metrics_not_answering_for_a_whole_window_counts_as_unknown() -> None:
+def cpu_window(samples: list[tuple[float, float | None, float | None]], keep: float = 30.0) -> ProgressWindow:
+    w = ProgressWindow(keep=keep)
+    for at, tokens, cpu in samples:
+        w.add(at, tokens, cpu)
+    return w
+
+
+def test_metrics_silent_but_the_api_server_busy_is_starved_not_hung() -> None:
+    """Measured here: on 2 loaded cores, streaming 4000-token answers, vLLM's API server did not
+    answer /metrics for 9 s. It kept using CPU: starved, never a hang."""
+    w = cpu_window([(0.0, 500.0, 10.0), (4.0, None, 11.5), (9.6, None, 13.0)], keep=5.0)
+    v = w.verdict(now=9.6, span=5.0)
+    assert v is Verdict.BUSY and not miss_counts(v)
+
+
+def test_metrics_silent_and_no_cpu_used_is_a_hang() -> None:
+    # a stopped or deadlocked API server: no answer, no CPU over the whole window
+    w = cpu_window([(0.0, 500.0, 10.0), (12.0, None, 10.0), (25.0, None, 10.0), (40.0, None, 10.0)])
+    v = w.verdict(now=40.0, span=30.0)
+    assert v is Verdict.SILENT and miss_counts(v)
+
+
+def test_metrics_silent_and_cpu_unknown_proves_nothing() -> None:
     w = window([(0.0, 500.0), (12.0, None), (25.0, None), (40.0, None)])
     v = w.verdict(now=40.0, span=30.0)
-    assert v is Verdict.UNKNOWN and miss_counts(v)
+    assert v is Verdict.UNKNOWN and not miss_counts(v)
 
 
 def test_a_scrape_that_failed_inside_the_window_does_not_hide_progress() -> None:
