@@ -49,7 +49,8 @@ async def open_runtime(sup: Supervisor, admin_start: Callable[[Supervisor], Awai
     await sup.proxy.start()
     if admin_start is not None:
         sup.admin = await admin_start(sup)  # keep a reference: a dropped runner closes
-    sup.tasks.append(asyncio.create_task(monitors.status_loop(lambda: sup.gen, sup.state_dir, sup.wake)))
+    sup.tasks.append(asyncio.create_task(monitors.guarded("status", 0, lambda: monitors.status_loop(
+        lambda: sup.gen, sup.state_dir, sup.wake))))
     log.info("runtime_started", port=sup.cfg.server.port, state_dir=str(sup.state_dir), model=sup.model,
              gpu=sup.gpu_name or None, hold=sup.hold, next_generation=sup.generation + 1, orphans_killed=orphans)
     if sup.hold:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import structlog
 
@@ -36,6 +36,20 @@ log = structlog.get_logger("vllm_guard.monitors")
 
 STATUS_EVERY_S = 1.0
 _WHY = {Verdict.STALLED: "no token moved", Verdict.SILENT: "neither /metrics answered nor the API server used CPU"}
+
+
+async def guarded(name: str, generation: int, run: Callable[[], Awaitable[None]], retry_s: float = 1.0) -> None:
+    """Run a monitor; if it fails (a bug, an unexpected /proc or psutil error), log it and run it
+    again: a monitor that died silently would turn hang or engine-death detection off."""
+    while True:
+        try:
+            await run()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - logged with its traceback, then restarted
+            log.exception("monitor_failed", monitor=name, generation=generation, error=f"{type(e).__name__}: {e}")
+            await asyncio.sleep(retry_s)
 
 
 # -- ready ------------------------------------------------------------------------------------

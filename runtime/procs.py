@@ -54,14 +54,14 @@ def tree(root_pid: int) -> list[ChildProcess]:
     try:
         root = psutil.Process(root_pid)
         procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return []
     out = []
     for p in procs:
         try:
             if p.status() == psutil.STATUS_ZOMBIE:
                 continue
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         out.append(ChildProcess(pid=p.pid, role=role_of(p, root_pid)))
     return out

@@ -188,8 +188,9 @@ class Supervisor:
         log.info("generation_starting", generation=n, pid=backend.pid, backend=backend.url, max_requests=target.limit,
                  log=str(backend.log_path))
         assert self.http is not None
-        gen.tasks.append(asyncio.create_task(monitors.wait_ready(gen, self.http, self.cfg.probe, self._on_version,
-                                                                 self.wake)))
+        http, probe = self.http, self.cfg.probe
+        gen.tasks.append(asyncio.create_task(monitors.guarded("ready", n, lambda: monitors.wait_ready(
+            gen, http, probe, self._on_version, self.wake))))
         self.enter(State.STARTING, s.startup_timeout)
 
     async def _step_starting(self) -> None:
@@ -233,9 +234,12 @@ class Supervisor:
         if not self.notifier.ready_sent:
             self.notifier.ready(status_line(self))
         assert self.http is not None
+        http, n = self.http, gen.number
         gen.tasks = [
-            asyncio.create_task(monitors.probe_loop(gen, self.http, self.cfg.probe, self._on_probe, self.wake)),
-            asyncio.create_task(monitors.memory_loop(gen, self.cfg.recycle, self.nvml, self.ledger, self.wake)),
+            asyncio.create_task(monitors.guarded("probe", n, lambda: monitors.probe_loop(
+                gen, http, self.cfg.probe, self._on_probe, self.wake))),
+            asyncio.create_task(monitors.guarded("memory", n, lambda: monitors.memory_loop(
+                gen, self.cfg.recycle, self.nvml, self.ledger, self.wake))),
         ]
 
     def _on_probe(self, summary: ProbeSummary) -> None:
