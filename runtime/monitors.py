@@ -17,7 +17,7 @@ from vllm_guard.core import plugin
 from vllm_guard.core.config import ProbeConfig, RecycleConfig
 from vllm_guard.core.host import child_memory
 from vllm_guard.core.protocol import (
-    ChildProcess, MemoryGrowth, MemoryReading, MemoryStatus, ProbeSummary, ProcessMemory, Role,
+    ChildProcess, MemoryGrowth, MemoryReading, MemoryStatus, PatchProcessReport, ProbeSummary, ProcessMemory, Role,
 )
 from vllm_guard.core.timefmt import utcnow
 
@@ -173,10 +173,10 @@ async def memory_loop(gen: Generation, cfg: RecycleConfig, nvml: NvmlSession | N
 
 
 # -- status -----------------------------------------------------------------------------------
-def _collect(gen: Generation, state_dir: Path) -> tuple[list[ChildProcess], int | None, dict[str, object]]:
+def _collect(gen: Generation, state_dir: Path) -> tuple[list[ChildProcess], int | None, dict[str, PatchProcessReport]]:
     found = procs.tree(gen.backend.pid) if gen.backend.returncode is None else []
     dead = procs.dead(gen.engine_pids) if gen.engine_pids else None
-    return found, dead, dict(plugin.read_states(state_dir, gen.number))
+    return found, dead, plugin.read_states(state_dir, gen.number)
 
 
 async def status_loop(current: Callable[[], Generation | None], state_dir: Path, wake: Callable[[], None]) -> None:
@@ -188,7 +188,7 @@ async def status_loop(current: Callable[[], Generation | None], state_dir: Path,
             found, dead, patches = await asyncio.to_thread(_collect, gen, state_dir)
             gen.backend.remember(found)
             gen.children = found
-            gen.patches = patches  # type: ignore[assignment]
+            gen.patches = patches
             if dead is not None and gen.dead_engine is None:
                 gen.dead_engine = dead
                 wake()
