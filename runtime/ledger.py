@@ -59,11 +59,15 @@ class RuntimeLedger:
     """One writer thread; every public method only queues and returns at once."""
 
     def __init__(self, path: str | Path, busy_timeout_s: float = L.BUSY_TIMEOUT_S) -> None:
-        self.conn = L.connect(path, busy_timeout_s)  # LedgerError at start: a usage-level problem
+        self.conn = L.connect(path, busy_timeout_s)  # LedgerError at start: one line, nothing started
         self.host = socket.gethostname()
         self.boot_id = boot_id()
-        self._ids = {t: self._max_id(t) for t in RUNTIME_TABLES}
-        self.first_generation = L.next_generation(self.conn)
+        try:
+            self._ids = {t: self._max_id(t) for t in RUNTIME_TABLES}
+            self.first_generation = L.next_generation(self.conn)
+        except sqlite3.Error as e:  # a corrupt page, a lock held past the busy timeout
+            self.conn.close()
+            raise L.LedgerError(f"{L.db_path(path)} cannot be read: {type(e).__name__}: {e}") from e
         self._queue: collections.deque[_Write] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False

@@ -119,3 +119,16 @@ def test_defaults_validate() -> None:
     validate(load(None))
     with pytest.raises(ConfigError):
         parse_duration("-5s")
+
+
+def test_a_ledger_that_cannot_be_read_is_one_line_and_nothing_starts(tmp_path: Path) -> None:
+    from conftest import free_port
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "ledger.sqlite").write_bytes(b"this is not an SQLite file" * 100)
+    r = run("serve", "--state-dir", str(state), "--port", str(free_port()), "--model", "/nonexistent")
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ledger" in lines[0], lines
+    assert not (state / "logs").exists() and not (state / "admin.sock").exists()

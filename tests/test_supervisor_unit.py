@@ -5,6 +5,7 @@ the recycle triggers (pure functions of readings and `now`), the hang verdict ov
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ from vllm_guard.runtime.cli import find_owned_arg
 from vllm_guard.runtime.hang import ProgressWindow, Verdict, miss_counts
 from vllm_guard.runtime.machine import INITIAL, TRANSITIONS, IllegalTransition, Machine, State
 from vllm_guard.runtime.records import FailureRecord, Recent
+from vllm_guard.runtime.status import visible_gpu_name
 from vllm_guard.runtime.triggers import (
     GPU_MEMORY_GROWTH, HOST_RSS_GROWTH, IDLE_OPPORTUNISTIC, MAX_REQUESTS, MAX_UPTIME, Growth, Readings,
     counts_toward_limit, generation_limit, limit_fraction, recycle_trigger,
@@ -303,3 +305,22 @@ def test_recent_is_bounded_and_counts_everything() -> None:
 ])
 def test_owned_vllm_arguments_abbreviations_included(args: list[str], owned: str | None) -> None:
     assert find_owned_arg(args) == owned
+
+
+MIXED = [  # as NVML lists them: by PCI bus
+    {"index": 0, "uuid": "GPU-4090aaaa", "name": "NVIDIA GeForce RTX 4090", "pci_bus_id": "00000000:01:00.0"},
+    {"index": 1, "uuid": "GPU-a100bbbb", "name": "NVIDIA A100 80GB PCIe", "pci_bus_id": "00000000:41:00.0"},
+]
+
+
+@pytest.mark.parametrize("env, name", [
+    ({}, "NVIDIA GeForce RTX 4090,NVIDIA A100 80GB PCIe"),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-a100bbbb"}, "NVIDIA A100 80GB PCIe"),
+    ({"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, "NVIDIA A100 80GB PCIe"),
+    # CUDA numbers fastest-first: index 1 may be the 4090; say both rather than guess wrong
+    ({"CUDA_VISIBLE_DEVICES": "1"}, "NVIDIA GeForce RTX 4090,NVIDIA A100 80GB PCIe"),
+])
+def test_the_gpu_name_follows_the_one_gpu_index_rule(env: dict[str, str], name: str) -> None:
+    nvml = SimpleNamespace(available=True, static=MIXED)
+    assert visible_gpu_name(nvml, env) == name  # type: ignore[arg-type]
+    assert visible_gpu_name(None, env) == ""
