@@ -42,9 +42,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     for name in COMMAND_MODULES:
         try:
             module: Any = importlib.import_module(name)
-        except ModuleNotFoundError as e:  # a build without that package
-            if e.name != name:
-                raise
+        except ImportError as e:
+            if isinstance(e, ModuleNotFoundError) and e.name == name:
+                continue  # a build without that package
+            # TEMPORARY (branch rt, while packages migrate to the core): skip a package whose cli
+            # fails to import; restore `raise` once every package imports only the core.
             continue
         handlers.update(module.add_commands(sub))
     return p, handlers

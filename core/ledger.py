@@ -75,7 +75,8 @@ CREATE TABLE IF NOT EXISTS generations (
     boot_id TEXT,
     pid_started REAL,
     replica INTEGER NOT NULL DEFAULT 0,
-    strategy TEXT
+    strategy TEXT,
+    updated_at TEXT
 );
 CREATE TABLE IF NOT EXISTS recycles (
     id INTEGER PRIMARY KEY,
@@ -200,7 +201,8 @@ CREATE INDEX IF NOT EXISTS failures_at ON failures (at);
 
 # column -> DDL, per table: what an older ledger lacks gets added on open
 _MIGRATIONS: dict[str, dict[str, str]] = {
-    "generations": {"pid_started": "REAL", "replica": "INTEGER NOT NULL DEFAULT 0", "strategy": "TEXT"},
+    "generations": {"pid_started": "REAL", "replica": "INTEGER NOT NULL DEFAULT 0", "strategy": "TEXT",
+                    "updated_at": "TEXT"},
     "recycles": {"strategy": "TEXT", "replica": "INTEGER NOT NULL DEFAULT 0"},
 }
 
@@ -304,6 +306,7 @@ class GenerationRow:
     boot_id: str | None
     replica: int = 0
     strategy: str | None = None
+    updated_at: str | None = None  # the runtime's last incremental update of a serving generation
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,9 @@ class RequestCounters(_Model):
     queued: int = 0
     generation: int = 0  # counted requests of the current generation
     generation_limit: int | None = None  # max_requests (+ jitter) of the current generation
+    # of `generation`: requests that waited through the recycle or start (its inherited
+    # backlog); they do not count toward generation_limit
+    generation_inherited: int = 0
 
 
 class FailureSummary(_Model):

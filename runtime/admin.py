@@ -1,7 +1,10 @@
-"""Admin API on a unix socket in the state dir: status, recycle, restart, hold, release.
+"""The runtime's side of the admin socket (`<state dir>/admin.sock`): status and commands.
 
-The socket is mode 0660 and owned by a configurable group, so the watchdog (same group, no
-root) can act, and nobody else can. Commands only enqueue into the supervisor's loop.
+`GET /status` answers a `StatusSnapshot`; `POST /command` takes a `CommandRequest` and answers
+the loop's `CommandReply` (200 accepted, 409 refused with the reason) or, for a body that is not
+a valid request, 400 with one `ErrorReply` line. The socket is mode `[server] admin_mode` and
+owned by `[server] admin_group`, so the watchdog (same group, no root) can act and nobody else
+can. The client side is `core.admin`.
 """
 
 from __future__ import annotations
@@ -10,66 +13,52 @@ import asyncio
 import grp
 import json
 import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import aiohttp
 from aiohttp import web
 
-from .ledger import CLASSES, PREVENTIVE, SCHEDULED, UNPLANNED
+from vllm_guard.core.admin import socket_path
+from vllm_guard.core.errors import ConfigError, ProtocolError
+from vllm_guard.core.protocol import CommandRequest, ErrorReply, decode
 
 if TYPE_CHECKING:
     from .supervisor import Supervisor
 
-SOCKET_NAME = "admin.sock"
-COMMANDS = ("recycle", "restart", "hold", "release")
+MAX_BODY = 64 * 1024
+REPLY_TIMEOUT_S = 10.0
 
 
-class AdminError(RuntimeError):
-    """The runtime could not be reached or refused the command."""
-
-
-def socket_path(state_dir: str | Path) -> Path:
-    return Path(state_dir) / SOCKET_NAME
-
-
-def _valid_class(command: str, cls: str | None) -> str | None:
-    allowed = {"recycle": (SCHEDULED, PREVENTIVE), "restart": (UNPLANNED, SCHEDULED, PREVENTIVE)}
-    if cls is None or command not in allowed:
-        return None
-    if cls not in allowed[command]:
-        raise ValueError(f"class has value {cls!r}: {command} accepts {', '.join(allowed[command])}")
-    return cls
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(ErrorReply(error=message).model_dump(mode="json"), status=status)
 
 
 async def start(sup: Supervisor) -> web.AppRunner:
-    """Serve the admin API for `sup`; returns the runner (cleaned up with the loop)."""
-    app = web.Application()
+    """Serve the admin API for `sup`; returns the runner (the supervisor cleans it up)."""
+    app = web.Application(client_max_size=MAX_BODY)
 
     async def status(_: web.Request) -> web.Response:
-        return web.json_response(sup.status())
+        return web.json_response(sup.status().to_json())
 
     async def command(request: web.Request) -> web.Response:
-        name = request.match_info["cmd"]
-        if name not in COMMANDS:
-            return web.json_response({"error": f"unknown command {name!r}"}, status=404)
         try:
-            args = await request.json() if request.can_read_body else {}
-            if not isinstance(args, dict):
-                raise ValueError("body must be a JSON object")
-            cls = _valid_class(name, args.get("class"))
-        except ValueError as e:
-            return web.json_response({"error": str(e)}, status=400)
-        payload = {"reason": str(args.get("reason") or "admin")}
-        if cls:
-            payload["class"] = cls
-        sup.commands.put_nowait((name, payload))
-        sup.wake()
-        return web.json_response({"accepted": name, **payload, "state": sup.state.value,
-                                  "generation": sup.generation})
+            data = json.loads(await request.read() or b"null")
+        except (ValueError, UnicodeDecodeError) as e:
+            return _error(400, f"body is not JSON: {e}")
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"body larger than {MAX_BODY} bytes")
+        try:
+            req: CommandRequest = decode(CommandRequest, data)
+            req.ledger_class()
+        except ProtocolError as e:
+            return _error(400, str(e))
+        try:
+            reply = await sup.commands.submit(req, REPLY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return _error(503, f"the runtime did not answer within {REPLY_TIMEOUT_S:.0f} s")
+        return web.json_response(reply.model_dump(mode="json"), status=200 if reply.accepted else 409)
 
     app.router.add_get("/status", status)
-    app.router.add_post("/{cmd}", command)
+    app.router.add_post("/command", command)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     path = socket_path(sup.state_dir)
@@ -85,34 +74,8 @@ async def start(sup: Supervisor) -> web.AppRunner:
         try:
             gid = grp.getgrnam(group).gr_gid
         except KeyError as e:
-            raise ValueError(f"[server] admin_group has value {group!r}: no such group") from e
+            await runner.cleanup()
+            raise ConfigError(f"[server] admin_group has value {group!r}: no such group") from e
         os.chown(path, -1, gid)
     os.chmod(path, sup.cfg.server.admin_mode)
     return runner
-
-
-async def request(state_dir: str | Path, method: str, path: str, body: dict[str, Any] | None = None,
-                  timeout: float = 10.0) -> dict[str, Any]:
-    """One admin call over the unix socket (used by the CLI and the watchdog)."""
-    sock = socket_path(state_dir)
-    if not sock.exists():
-        raise AdminError(f"no runtime at {sock} (is `vllm-guard serve --state-dir {state_dir}` running?)")
-    try:
-        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as s:
-            async with s.request(method, "http://guard" + path, json=body,
-                                 timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                data = await r.json(content_type=None)
-                if r.status >= 400:
-                    raise AdminError(str(data.get("error", data)))
-                return data
-    except PermissionError as e:
-        raise AdminError(f"permission denied on {sock}: join its group or run as its owner") from e
-    except aiohttp.ClientConnectorError as e:
-        if isinstance(e.os_error, PermissionError):
-            raise AdminError(f"permission denied on {sock}: join its group or run as its owner") from e
-        raise AdminError(f"cannot connect to {sock}: {e.os_error}") from e
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-        raise AdminError(f"admin request to {sock} failed: {e}") from e
-
-
-__all__ = ["AdminError", "CLASSES", "request", "socket_path", "start"]

@@ -1,160 +1,136 @@
-"""The `vllm-guard` command line. Every usage or config error: one line on stderr, exit 2."""
+"""The runtime's commands: serve, status, recycle, restart, hold, release, model, demo.
+
+`add_commands` is what the composition root (`vllm_guard.cli`) calls. Only argparse and the
+light parts of the core are imported here; aiohttp, pydantic, psutil and the supervisor load
+inside the handlers, so `vllm-guard --help` stays fast. Every usage or config error is one line
+on stderr and exit 2 (UsageError/ConfigError); a runtime that cannot be reached or refuses a
+command is one line and exit 1.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import asyncio
 import fcntl
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, Iterable, TextIO
 
-from . import admin, tiny_model
-from .backend import find_owned_arg
-from .config import ConfigError, GuardConfig, load, set_value, validate
-from .states import EXIT_BOOT_ERROR, EXIT_USAGE
+from vllm_guard.core.config import GuardConfig, load, set_value, validate
+from vllm_guard.core.errors import EXIT_BOOT_ERROR, EXIT_ERROR, GuardError, UsageError
+from vllm_guard.core.paths import resolve_state_dir
 
-# serve flag -> (section, key) in guard.toml
-SERVE_FLAGS: dict[str, tuple[str, str]] = {
-    "model": ("server", "model"),
-    "host": ("server", "host"),
-    "port": ("server", "port"),
-    "state_dir": ("server", "state_dir"),
-    "python": ("server", "python"),
-    "drain_timeout": ("server", "drain_timeout"),
-    "startup_timeout": ("server", "startup_timeout"),
-    "queue_max_wait": ("server", "queue_max_wait"),
-    "max_requests": ("recycle", "max_requests"),
-    "max_requests_jitter": ("recycle", "max_requests_jitter"),
-    "max_uptime": ("recycle", "max_uptime"),
-    "max_gpu_memory_growth_mb": ("recycle", "max_gpu_memory_growth_mb"),
-    "max_host_rss_growth_mb": ("recycle", "max_host_rss_growth_mb"),
-    "idle_fraction": ("recycle", "idle_fraction"),
-    "idle_after": ("recycle", "idle_after"),
-    "probe_interval": ("probe", "interval"),
-    "probe_timeout": ("probe", "timeout"),
+from . import tiny_model
+
+Handler = Callable[[argparse.Namespace, list[str]], int]
+
+RUNTIME_OWNED_ARGS = ("--host", "--port", "--model")
+_MIN_ABBREV = 3  # "--h": vLLM's argparse takes any unambiguous prefix of a flag
+
+# serve flag -> (section, key, help) in guard.toml
+SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
+    "model": ("server", "model", "model dir or name for vLLM (default: the embedded tiny model, its text is noise)"),
+    "host": ("server", "host", "address of the public proxy (default 127.0.0.1)"),
+    "port": ("server", "port", "port of the public proxy (default 8000)"),
+    "state_dir": ("server", "state_dir", "ledger, logs, admin socket, hold file (default ./.state)"),
+    "python": ("server", "python", "interpreter that runs vLLM (default: this one)"),
+    "drain_timeout": ("server", "drain_timeout", "how long in-flight requests may finish before a stop (default 2m)"),
+    "startup_timeout": ("server", "startup_timeout", "how long a generation may take to become ready (default 10m)"),
+    "queue_max_wait": ("server", "queue_max_wait", "longest a request waits for a backend, then 503 (default 15m)"),
+    "max_requests": ("recycle", "max_requests", "recycle after this many requests per generation (default 0: off)"),
+    "max_requests_jitter": ("recycle", "max_requests_jitter", "add randint(0, N) to max_requests per generation"),
+    "max_uptime": ("recycle", "max_uptime", "recycle a generation serving this long, e.g. 24h (default 0: off)"),
+    "max_gpu_memory_growth_mb": ("recycle", "max_gpu_memory_growth_mb",
+                                 "recycle when the tree's GPU memory grew this many MB since warm-up (0: off)"),
+    "max_host_rss_growth_mb": ("recycle", "max_host_rss_growth_mb",
+                               "recycle when the tree's host RSS grew this many MB since warm-up (0: off)"),
+    "idle_fraction": ("recycle", "idle_fraction", "recycle early when idle and a limit is this much used (0: off)"),
+    "idle_after": ("recycle", "idle_after", "what counts as idle for --idle-fraction (default 30s)"),
+    "probe_interval": ("probe", "interval", "time between 1-token probes of a serving engine (default 15s)"),
+    "probe_timeout": ("probe", "timeout", "a probe slower than this failed (default 20s)"),
 }
 _INTS = {"port", "max_requests", "max_requests_jitter"}
 _FLOATS = {"max_gpu_memory_growth_mb", "max_host_rss_growth_mb", "idle_fraction"}
+ADMIN_COMMANDS = {
+    "status": "print the runtime's status",
+    "recycle": "graceful recycle: drain, stop, start the next generation",
+    "restart": "hard restart: kill the generation now",
+    "hold": "stop every (re)start until released (the serving generation keeps serving)",
+    "release": "release a hold",
+}
 
 
-# Modules that add subcommands: `add_commands(subparsers) -> {command: handler(args, extra) -> int}`.
-PLUGIN_CLIS = (
-    "vllm_guard.patches.cli",
-    "vllm_guard.watchdog.cli",
-    "vllm_guard.soak.cli",
-    "vllm_guard.systemd.cli",
-)
-EXTRA_HANDLERS: dict[str, Any] = {}
-
-
-class UsageError(Exception):
-    """Bad command line: one line on stderr, exit 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one clear line, exit 2
-        raise UsageError(f"{self.prog}: {message}")
-
-
-def _num(kind: type) -> Any:
+def _num(kind: type) -> Callable[[str], Any]:
     def conv(text: str) -> Any:
         try:
             return kind(text)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from e
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from e
     return conv
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="vllm-guard", description="A reliability-guarded runtime for vLLM.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    s = sub.add_parser("serve", help="serve vLLM under the guard (args after -- go to vLLM)")
-    s.add_argument("--config", help="guard.toml")
-    for flag, (section, key) in SERVE_FLAGS.items():
-        kind = _num(int) if flag in _INTS else _num(float) if flag in _FLOATS else str
-        s.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None,
-                       help=f"[{section}] {key}")
+def add_commands(sub: Any) -> dict[str, Handler]:
+    s = sub.add_parser("serve", help="serve vLLM under the guard (arguments after -- go to vLLM)")
+    s.add_argument("--config", help="guard.toml; flags override it")
+    for flag, (_, _, text) in SERVE_FLAGS.items():
+        kind: Callable[[str], Any] = _num(int) if flag in _INTS else _num(float) if flag in _FLOATS else str
+        metavar = "N" if flag in _INTS else "MB" if flag.endswith("_mb") else "F" if flag in _FLOATS else (
+            "DUR" if flag.endswith(("timeout", "wait", "uptime", "after", "interval")) else None)
+        s.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=text, metavar=metavar)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
-    for name, text in (("status", "print the runtime's status"), ("recycle", "graceful recycle"),
-                       ("restart", "hard restart"), ("hold", "stop all (re)starting until released"),
-                       ("release", "release a hold")):
+    for name, text in ADMIN_COMMANDS.items():
         c = sub.add_parser(name, help=text)
-        c.add_argument("--state-dir", default=os.environ.get("VLLM_GUARD_STATE_DIR", ".state"))
-        c.add_argument("--json", action="store_true")
+        c.add_argument("--state-dir", default=None,
+                       help="the runtime's state dir (default: $VLLM_GUARD_STATE_DIR, the installed config, ./.state)")
+        c.add_argument("--json", action="store_true", help="print the runtime's answer as JSON")
         if name in ("recycle", "restart", "hold"):
-            c.add_argument("--reason", default="operator")
+            c.add_argument("--reason", default="operator", help="recorded in the ledger and status (one line)")
         if name in ("recycle", "restart"):
             c.add_argument("--class", dest="cls", default=None,
-                           help="ledger class (recycle: scheduled|preventive; restart: unplanned|scheduled|preventive)")
+                           help="ledger class: recycle scheduled|preventive (default scheduled); "
+                                "restart unplanned|scheduled|preventive (default unplanned)")
 
-    m = sub.add_parser("model", help="build the embedded tiny model (its text is noise)")
+    m = sub.add_parser("model", help="build the embedded tiny model (random weights: its text is noise)")
     m.add_argument("kind", choices=["tiny"])
     m.add_argument("dir", nargs="?", default=None)
 
-    for mod in PLUGIN_CLIS:  # watchdog, soak/report, patches, install: each adds its own commands
-        try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        EXTRA_HANDLERS.update(module.add_commands(sub))
-
-    d = sub.add_parser("demo", help="serve the tiny model, drive streaming load, force a recycle, print status")
-    d.add_argument("--state-dir", default=None)
+    d = sub.add_parser("demo", help="serve the tiny model, stream load through recycles, print status")
+    d.add_argument("--state-dir", default=None, help="default: a temporary dir, removed after a clean run")
     d.add_argument("--port", type=_num(int), default=None)
     d.add_argument("--requests", type=_num(int), default=48)
-    return p
+    return {"serve": cmd_serve, "model": cmd_model, "demo": cmd_demo,
+            **{name: cmd_admin for name in ADMIN_COMMANDS}}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    vllm_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, vllm_args = argv[:cut], argv[cut + 1:]
-    try:
-        args = build_parser().parse_args(argv)
-        if vllm_args and args.command != "serve":
-            raise UsageError(f"vllm-guard {args.command}: arguments after -- are only for serve")
-        handlers = {"serve": cmd_serve, "model": cmd_model, "demo": cmd_demo, **EXTRA_HANDLERS}
-        handler = handlers.get(args.command, cmd_admin)
-        return handler(args, vllm_args)
-    except (UsageError, ConfigError) as e:
-        print(f"vllm-guard: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+# -- serve ------------------------------------------------------------------------------------
+def find_owned_arg(args: Iterable[str]) -> str | None:
+    """The first runtime-owned flag in vLLM's args (`--port 1`, `--port=1`, or an abbreviation
+    vLLM's parser would expand to it, like `--ho`), else None."""
+    for a in args:
+        flag = a.split("=", 1)[0]
+        if flag.startswith("--") and len(flag) >= _MIN_ABBREV and any(o.startswith(flag) for o in RUNTIME_OWNED_ARGS):
+            return a
+    return None
 
 
 def serve_config(args: argparse.Namespace, vllm_args: list[str]) -> GuardConfig:
-    """guard.toml, then CLI flags, then validation; raises ConfigError/UsageError."""
+    """guard.toml, then CLI flags, then validation of every section; ConfigError/UsageError."""
     cfg = load(args.config)
-    for flag, (section, key) in SERVE_FLAGS.items():
+    for flag, (section, key, _) in SERVE_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
             set_value(cfg, section, key, value)
-    cfg.server.vllm_args = [*cfg.server.vllm_args, *vllm_args]
+    set_value(cfg, "server", "vllm_args", [*cfg.server.vllm_args, *vllm_args])
     owned = find_owned_arg(cfg.server.vllm_args)
     if owned is not None:
-        raise UsageError(
-            f"{owned!r} after -- is owned by the runtime: use vllm-guard's own --host/--port/--model"
-        )
-    validate(cfg)
-    try:  # the plugin's own sections ([patches], [inject]) are checked before anything starts
-        from vllm_guard.patches import hooks as patches_hooks
-    except ImportError:
-        patches_hooks = None
-    if patches_hooks is not None and hasattr(patches_hooks, "validate"):
-        patches_hooks.validate(cfg)
-    return cfg
+        raise UsageError(f"{owned!r} after -- is owned by the runtime: use vllm-guard's own --host/--port/--model")
+    return validate(cfg)
 
 
 def _preflight_port(host: str, port: int) -> None:
@@ -166,13 +142,31 @@ def _preflight_port(host: str, port: int) -> None:
             raise UsageError(f"[server] port has value {port}: cannot bind {host}:{port} ({e.strerror})") from e
 
 
-def _lock_state_dir(state_dir: Path) -> Any:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    fh = open(state_dir / "runtime.lock", "w")
+def _preflight_group(group: str) -> None:
+    import grp
+
+    if group:
+        try:
+            grp.getgrnam(group)
+        except KeyError as e:
+            raise UsageError(f"[server] admin_group has value {group!r}: no such group") from e
+
+
+def _lock_state_dir(state_dir: Path) -> TextIO:
+    """Create the state dir and hold its lock (one runtime per state dir); links not followed."""
+    where = f"[server] state_dir has value {str(state_dir)!r}"
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(state_dir / "runtime.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o640)
+    except OSError as e:
+        raise UsageError(f"{where}: {e.strerror or e}") from e
+    fh = os.fdopen(fd, "r+")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as e:
-        raise UsageError(f"[server] state_dir has value {str(state_dir)!r}: another runtime owns it") from e
+        fh.close()
+        raise UsageError(f"{where}: another runtime owns it") from e
+    fh.truncate(0)
     fh.write(str(os.getpid()))
     fh.flush()
     return fh
@@ -187,40 +181,46 @@ def _vllm_importable(python: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
-    from . import logsetup
+    import structlog
+
+    from vllm_guard.core import logsetup
+
+    from . import admin
+    from .ledger import RuntimeLedger
     from .supervisor import Supervisor
 
     cfg = serve_config(args, vllm_args)
     python = cfg.server.python or sys.executable
     _preflight_port(cfg.server.host, cfg.server.port)
+    _preflight_group(cfg.server.admin_group)
     lock = _lock_state_dir(Path(cfg.server.state_dir))
-    logsetup.configure(args.log_level)
-    if not _vllm_importable(python):
-        print(f"vllm-guard: error: {python} cannot import vllm (install vllm-guard[cpu] or [gpu])", file=sys.stderr)
-        return EXIT_BOOT_ERROR
-    model = cfg.server.model
-    if not model:
-        try:
-            model = str(tiny_model.ensure(tiny_model.default_dir(), python))
-        except RuntimeError as e:
-            print(f"vllm-guard: error: {e}", file=sys.stderr)
+    try:
+        logsetup.configure(args.log_level)
+        if not _vllm_importable(python):
+            print(f"vllm-guard: error: {python} cannot import vllm (install vllm-guard[cpu] or [gpu])", file=sys.stderr)
             return EXIT_BOOT_ERROR
-    sup = Supervisor(cfg, model, python)
-
-    async def main_async() -> int:
+        model = cfg.server.model
+        if not model:
+            try:
+                model = str(tiny_model.ensure(tiny_model.default_dir(), python))
+            except RuntimeError as e:
+                print(f"vllm-guard: error: {e}", file=sys.stderr)
+                return EXIT_BOOT_ERROR
+        sup = Supervisor(cfg, model, python, RuntimeLedger(cfg.server.state_dir))
+        runner: Callable[[Any], Any] = asyncio.run
         try:
-            return await sup.run(admin.start)
-        except ValueError as e:  # e.g. admin_group names no group
-            raise UsageError(str(e)) from e
+            import uvloop  # vLLM depends on it; faster proxying where present
 
-    try:
-        import uvloop  # vLLM depends on it; faster proxying where present
-
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    try:
-        return runner(main_async())
+            runner = uvloop.run
+        except ImportError:
+            pass
+        try:
+            return int(runner(sup.run(admin.start)))
+        except GuardError:
+            raise
+        except Exception as e:  # the vLLM group is already stopped (run's finally): say why we died
+            structlog.get_logger("vllm_guard.supervisor").exception("runtime_crashed", error=f"{type(e).__name__}: {e}")
+            return EXIT_ERROR
     finally:
         lock.close()
 
@@ -230,55 +230,57 @@ def cmd_model(args: argparse.Namespace, _: list[str]) -> int:
     try:
         tiny_model.ensure(out)
     except RuntimeError as e:
-        print(f"vllm-guard: error: {e}", file=sys.stderr)
-        return 1
+        raise GuardError(str(e)) from e
     print(f"{out}  (tiny Llama, random weights: its text is noise)")
     return 0
 
 
-def cmd_admin(args: argparse.Namespace, _: list[str]) -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `vllm-guard status | head` is not an error
-    body: dict[str, Any] = {}
-    if getattr(args, "reason", None):
-        body["reason"] = args.reason
-    if getattr(args, "cls", None):
-        body["class"] = args.cls
-    method, path = ("GET", "/status") if args.command == "status" else ("POST", "/" + args.command)
+# -- admin commands ---------------------------------------------------------------------------
+def _request(args: argparse.Namespace) -> Any:
+    """The typed command for recycle/restart/hold/release; UsageError on a bad reason or class."""
+    from vllm_guard.core.errors import ProtocolError
+    from vllm_guard.core.ledger import EndClass
+    from vllm_guard.core.protocol import Command, CommandRequest
+    from vllm_guard.core.sanitize import check_reason
+
+    reason = getattr(args, "reason", None) or "operator"
     try:
-        data = asyncio.run(admin.request(args.state_dir, method, path, body or None))
-    except admin.AdminError as e:
-        print(f"vllm-guard: error: {e}", file=sys.stderr)
-        return 1
+        check_reason(reason, "--reason")
+    except ValueError as e:
+        raise UsageError(f"{args.command}: {e}") from e
+    cls_text = getattr(args, "cls", None)
+    try:
+        cls = EndClass(cls_text) if cls_text is not None else None
+    except ValueError as e:
+        raise UsageError(f"{args.command}: class has value {cls_text!r}: one of "
+                         f"{', '.join(c.value for c in EndClass)}") from e
+    req = CommandRequest(command=Command(args.command), reason=reason, cls=cls)
+    try:
+        req.ledger_class()
+    except ProtocolError as e:
+        raise UsageError(f"{args.command}: {e}") from e
+    return req
+
+
+def cmd_admin(args: argparse.Namespace, _: list[str]) -> int:
+    import json
+
+    from vllm_guard.core import admin as client
+
+    from .statusfmt import format_status
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `vllm-guard status | head` is not an error
+    state_dir, _where = resolve_state_dir(args.state_dir)
+    if args.command == "status":
+        snap = asyncio.run(client.fetch_status(state_dir))
+        print(json.dumps(snap.to_json(), indent=2) if args.json else format_status(snap))
+        return 0
+    reply = asyncio.run(client.send(state_dir, _request(args)))  # CommandRefused: exit 1, the reason
     if args.json:
-        print(json.dumps(data, indent=2))
-    elif args.command == "status":
-        print(format_status(data))
+        print(json.dumps(reply.model_dump(mode="json"), indent=2))
     else:
-        print(f"{args.command}: accepted (state {data.get('state')}, generation {data.get('generation')})")
+        print(f"{args.command}: accepted: {reply.detail} (state {reply.state.value}, generation {reply.generation})")
     return 0
-
-
-def format_status(s: dict[str, Any]) -> str:
-    lines = [
-        f"state       {s['state']} (generation {s['generation']}, for {s.get('state_for_s')}s)"
-        + (f"  HOLD: {s['hold']}" if s.get("hold") else ""),
-        f"requests    total {s['requests_total']}, this generation {s['requests_generation']}"
-        f"/{s.get('requests_limit_generation') or '-'}, in flight {s['in_flight']}, queued {s['queued']}, "
-        f"failed {s['failed_requests']}",
-        f"failures    {s['failures']} unplanned" + "".join(
-            f"\n  - {f['kind']} at {f['at']} exit={f['exit_code']} restored={f['restored_at']}"
-            for f in s["failure_log"][-5:]),
-        f"recycles    {len(s['recycles'])}" + "".join(
-            f"\n  - {r['reason']} ({r['class']}) at {r['started']} in_flight={r['in_flight']} "
-            f"queued={r['queued']} took {r['duration_s']}s" for r in s["recycles"][-5:]),
-        f"backend     {s['backend_url']}  vLLM {s['vllm_version'] or '?'}  GPU {s.get('gpu_name') or 'none'}",
-        "children    " + ", ".join(f"{c['role']}={c['pid']}" for c in s["children"]),
-        f"ttft        p50 {s['ttft']['p50_ms']} ms, p99 {s['ttft']['p99_ms']} ms",
-    ]
-    growth = (s.get("memory") or {}).get("growth")
-    if growth:
-        lines.append(f"memory      growth since warm-up: RSS {growth['rss_mb']} MB, GPU {growth['gpu_mb']} MB")
-    return "\n".join(lines)
 
 
 def cmd_demo(args: argparse.Namespace, _: list[str]) -> int:

@@ -21,7 +21,10 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from .config import ServerConfig
+from vllm_guard.core.config import ServerConfig
+from vllm_guard.core.protocol import LatencySummary
+
+from .triggers import counts_toward_limit, limit_reached
 
 log = structlog.get_logger("vllm_guard.proxy")
 
@@ -51,16 +54,23 @@ class Target:
 
     generation: int
     url: str
-    limit: int | None = None  # counted requests this generation may take; None: no limit
+    limit: int | None = None  # requests arriving after ready this generation may take; None: no limit
     accepting: bool = True
     dead: bool = False
-    dispatched: int = 0  # counted requests sent to this generation (the max_requests count)
+    dispatched: int = 0  # counted requests sent to this generation
+    inherited: int = 0  # of those: waiting before it was ready (its backlog; not toward the limit)
     completed: int = 0
     in_flight: int = 0
+    ready_at: float | None = None  # monotonic; set when it opens
     session: aiohttp.ClientSession | None = None
     last_activity: float = field(default_factory=time.monotonic)
 
+    @property
+    def toward_limit(self) -> int:
+        return self.dispatched - self.inherited
+
     def open(self, request_timeout: float) -> None:
+        self.ready_at = time.monotonic()
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=request_timeout, connect=10),
@@ -90,10 +100,11 @@ class Proxy:
         self.on_error = on_error
         self.target: Target | None = None
         self.reject_reason: str | None = None  # held or shutting down: fail fast
+        self.enforce_limit = True  # False while held: no recycle can follow, so never stop at the limit
         self.queued = 0
         self.in_flight = 0
         self.counters = Counters()
-        self.ttft = collections.deque(maxlen=4096)  # edge TTFT (s) of recent requests
+        self.ttft: collections.deque[float] = collections.deque(maxlen=4096)  # edge TTFT (s), recent
         self._cond = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self._idle_since = time.monotonic()
@@ -137,29 +148,35 @@ class Proxy:
             return 0.0
         return time.monotonic() - self._idle_since
 
-    def ttft_quantiles(self) -> dict[str, float | None]:
+    def ttft_summary(self) -> LatencySummary:
+        """Edge TTFT of the recent requests (the last 4096)."""
         if not self.ttft:
-            return {"p50_ms": None, "p99_ms": None}
+            return LatencySummary()
         xs = sorted(self.ttft)
-        q = lambda f: round(1000 * xs[min(len(xs) - 1, int(f * len(xs)))], 3)  # noqa: E731
-        return {"p50_ms": q(0.50), "p99_ms": q(0.99)}
+
+        def q(f: float) -> float:
+            return round(xs[min(len(xs) - 1, int(f * len(xs)))], 6)
+
+        return LatencySummary(samples=len(xs), p50_s=q(0.50), p99_s=q(0.99))
 
     # -- admission ---------------------------------------------------------------------------
-    def _pick(self, counted: bool) -> Target | None:
+    def _pick(self, counted: bool, arrived: float) -> Target | None:
         t = self.target
         if t is None or not t.accepting or t.dead:
             return None
         if counted:
             t.dispatched += 1
-            if t.limit is not None and t.dispatched >= t.limit:
+            if not counts_toward_limit(arrived, t.ready_at):
+                t.inherited += 1
+            elif self.enforce_limit and limit_reached(t.toward_limit, t.limit):
                 t.accepting = False
                 self.on_limit(t)
         t.in_flight += 1
         self.in_flight += 1
         return t
 
-    async def _admit(self, counted: bool, deadline: float) -> Target:
-        t = self._pick(counted) if self.reject_reason is None else None
+    async def _admit(self, counted: bool, arrived: float, deadline: float) -> Target:
+        t = self._pick(counted, arrived) if self.reject_reason is None else None
         if t is not None:
             return t
         if self.reject_reason is not None:
@@ -173,7 +190,7 @@ class Proxy:
                 while True:
                     if self.reject_reason is not None:
                         raise Reject(self.reject_reason)
-                    t = self._pick(counted)
+                    t = self._pick(counted, arrived)
                     if t is not None:
                         return t
                     remaining = deadline - time.monotonic()
@@ -205,7 +222,7 @@ class Proxy:
         attempt = 0
         while True:
             try:
-                t = await self._admit(counted, deadline)
+                t = await self._admit(counted, t0, deadline)
             except Reject as e:
                 return self._reject(rid, str(e), counted)
             try:

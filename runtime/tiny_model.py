@@ -13,9 +13,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 MARKER = "vllm-guard-tiny.json"
-SPEC = {
+SPEC: dict[str, Any] = {
     "name": "vllm-guard-tiny-llama",
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -62,20 +63,15 @@ def build(out: Path) -> Path:
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     )
     fast.save_pretrained(str(out))
-    cfg = LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=SPEC["hidden_size"],
-        intermediate_size=SPEC["intermediate_size"],
-        num_hidden_layers=SPEC["num_hidden_layers"],
-        num_attention_heads=SPEC["num_attention_heads"],
-        num_key_value_heads=SPEC["num_key_value_heads"],
-        max_position_embeddings=SPEC["max_position_embeddings"],
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="bfloat16",
-    )
+    settings: dict[str, Any] = {
+        "vocab_size": len(fast), "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+        **{k: SPEC[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                "num_key_value_heads", "max_position_embeddings")},
+    }
+    cfg = LlamaConfig(**settings)
     torch.manual_seed(SPEC["seed"])
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
+    model: Any = LlamaForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(str(out))
     (out / MARKER).write_text(json.dumps(SPEC, indent=2) + "\n")
     for f in out.iterdir():  # safetensors writes 0600: a dedicated service user must read it
         f.chmod(0o644)

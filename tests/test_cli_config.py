@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GUARD_CMD
-from vllm_guard.runtime.config import ConfigError, load, parse_duration, validate
+from vllm_guard.core.config import ConfigError, load, parse_duration, validate
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -50,6 +50,8 @@ def test_bad_config_exits_2_with_one_line_naming_key_and_value(tmp_path: Path, t
         (["serve", "--", "--port", "9000"], "'--port' after -- is owned by the runtime"),
         (["serve", "--", "--host=0.0.0.0"], "'--host=0.0.0.0' after -- is owned by the runtime"),
         (["serve", "--", "--model", "x"], "'--model' after -- is owned by the runtime"),
+        (["serve", "--", "--ho", "0.0.0.0"], "'--ho' after -- is owned by the runtime"),  # vLLM expands it
+        (["serve", "--", "--enforce-eager\n--host"], "control characters"),
         (["serve", "--max-uptime", "soon"], "max_uptime has value 'soon'"),
         (["status", "--", "x"], "arguments after -- are only for serve"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
@@ -90,12 +92,24 @@ def test_durations(text: object, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
 
+def test_unusable_state_dir_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a dir")
+    from conftest import free_port
+
+    r = run("serve", "--state-dir", str(blocker / "state"), "--port", str(free_port()))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "[server] state_dir has value" in lines[0], lines
+
+
 def test_cli_flags_override_the_file(tmp_path: Path) -> None:
-    from vllm_guard.runtime.cli import build_parser, serve_config
+    from vllm_guard.cli import build_parser
+    from vllm_guard.runtime.cli import serve_config
 
     cfg = tmp_path / "guard.toml"
     cfg.write_text("[recycle]\nmax_requests = 100\nmax_uptime = '1d'\n[server]\nvllm_args = ['--enforce-eager']\n")
-    args = build_parser().parse_args(["serve", "--config", str(cfg), "--max-requests", "7"])
+    args = build_parser()[0].parse_args(["serve", "--config", str(cfg), "--max-requests", "7"])
     c = serve_config(args, ["--max-model-len", "512"])
     assert c.recycle.max_requests == 7 and c.recycle.max_uptime == 86400
     assert c.server.vllm_args == ["--enforce-eager", "--max-model-len", "512"]
@@ -105,3 +119,16 @@ def test_defaults_validate() -> None:
     validate(load(None))
     with pytest.raises(ConfigError):
         parse_duration("-5s")
+
+
+def test_a_ledger_that_cannot_be_read_is_one_line_and_nothing_starts(tmp_path: Path) -> None:
+    from conftest import free_port
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "ledger.sqlite").write_bytes(b"this is not an SQLite file" * 100)
+    r = run("serve", "--state-dir", str(state), "--port", str(free_port()), "--model", "/nonexistent")
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ledger" in lines[0], lines
+    assert not (state / "logs").exists() and not (state / "admin.sock").exists()

@@ -1,0 +1,77 @@
+"""The runtime's status, assembled from what the monitors cached: nothing here reads /proc, a
+file or NVML, so `GET /status` (the watchdog asks every second) never blocks the loop. Bounded:
+the last RECENT failures and recycles plus totals."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Mapping
+
+from vllm_guard.core.gpu import visible_uuids
+from vllm_guard.core.protocol import RequestCounters, StatusSnapshot
+
+from .machine import State
+
+if TYPE_CHECKING:
+    from vllm_guard.core.nvml import NvmlSession
+
+    from .supervisor import Supervisor
+
+_BACKEND_REACHABLE = (State.STARTING, State.SERVING, State.DRAINING)
+
+
+def snapshot(sup: Supervisor) -> StatusSnapshot:
+    gen = sup.gen
+    t = gen.target if gen else None
+    b = gen.backend if gen else None
+    c = sup.proxy.counters
+    requests = RequestCounters(
+        total=c.requests_total, completed=c.completed, failed=c.failed_requests, rejected=c.rejected,
+        retried=c.retried, client_disconnects=c.client_disconnects, in_flight=sup.proxy.in_flight,
+        queued=sup.proxy.queued, generation=t.dispatched if t else 0, generation_limit=t.limit if t else None,
+        generation_inherited=t.inherited if t else 0,
+    )
+    return StatusSnapshot(
+        schema="vllm-guard-status/2",
+        state=sup.state,
+        state_for_s=round(sup.machine.age(time.monotonic()), 1),
+        generation=sup.generation,
+        pid=os.getpid(),
+        port=sup.cfg.server.port,
+        model=sup.model,
+        served_model=b.served_model if b else None,
+        vllm_version=sup.vllm_version,
+        gpu_name=sup.gpu_name or None,
+        hold=sup.hold,
+        backend_url=b.url if b is not None and sup.state in _BACKEND_REACHABLE else None,
+        requests=requests,
+        failures=sup.failures.total,
+        recent_failures=[f.summary() for f in sup.failures],
+        recycles=sup.recycles.total,
+        recent_recycles=[r.summary() for r in sup.recycles],
+        recycle_in_progress=sup.recycle_in_progress.summary() if sup.recycle_in_progress else None,
+        children=gen.listed_children if gen and not gen.ended else [],
+        memory=gen.memory if gen else None,
+        ttft=sup.proxy.ttft_summary(),
+        last_probe=sup.last_probe,
+        patches=gen.patches if gen else {},
+        ledger=sup.ledger.health(),
+    )
+
+
+def status_line(sup: Supervisor) -> str:
+    """The one line systemd shows (`systemctl status`)."""
+    t = sup.gen.target if sup.gen else None
+    hold = f" HELD({sup.hold})" if sup.hold else ""
+    return (f"{sup.state.value} gen={sup.generation} served={t.dispatched if t else 0} "
+            f"in_flight={sup.proxy.in_flight} queued={sup.proxy.queued} failures={sup.failures.total}{hold}")
+
+
+def visible_gpu_name(nvml: NvmlSession | None, env: Mapping[str, str]) -> str:
+    """Name of the GPU(s) a child with `env` sees (the one GPU-index rule); '' on CPU."""
+    if nvml is None or not nvml.available:
+        return ""
+    uuids = set(visible_uuids(nvml.static, env))
+    names = [str(s["name"]) for s in nvml.static if s["uuid"] in uuids]
+    return names[0] if len(set(names)) == 1 else ",".join(names)
