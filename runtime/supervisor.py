@@ -230,6 +230,7 @@ class Supervisor:
                  vllm=self.vllm_version, children=[c.model_dump(mode="json") for c in gen.listed_children])
         if os.environ.get(FAULT_VAR) == "ready":
             raise InjectedFault(f"{FAULT_VAR}=ready: raised once generation {gen.number} was ready")
+        self.last_probe = None  # a clean slate: the last probe of the old generation says nothing of this one
         self.enter(State.SERVING)
         if not self.notifier.ready_sent:
             self.notifier.ready(status_line(self))
