@@ -99,6 +99,10 @@ class RequestCounters(_Model):
     # of `generation`: requests that waited through the recycle or start (its inherited
     # backlog); they do not count toward generation_limit
     generation_inherited: int = 0
+    # what the leak attribution regresses memory on; None: this runtime does not count them
+    prompt_tokens: int | None = None  # of completed requests, from vLLM's usage record
+    output_tokens: int | None = None
+    streamed: int | None = None  # counted requests that asked for a stream
 
 
 class FailureSummary(_Model):
