@@ -99,6 +99,11 @@ class RequestCounters(_Model):
     # of `generation`: requests that waited through the recycle or start (its inherited
     # backlog); they do not count toward generation_limit
     generation_inherited: int = 0
+    # the public port's bounds: answered by the guard without reaching vLLM (not in the public API,
+    # body too large, too slow), open client connections, connections refused or closed at the cap
+    not_forwarded: int = 0
+    connections: int = 0
+    connections_refused: int = 0
 
 
 class FailureSummary(_Model):
