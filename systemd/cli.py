@@ -104,7 +104,7 @@ def cmd_install(args: argparse.Namespace, _: list[str]) -> int:
     text, cfg = F.render(cfg, layout)
     settings = cfg.install
     _preflight(args, live, cfg, layout)
-    base = R.base_context(settings, _bin_path(), I.stop_timeout(cfg), [cfg.server.model])
+    base = R.base_context(settings, _bin_path(), I.stop_timeout(cfg), [cfg.server.model, cfg.server.python], cfg)
     units = R.render_units(base)
     watchdog = _watchdog_available()
     # A re-install without flags keeps an operator's guard.toml; flags that change it rewrite it
