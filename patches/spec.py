@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 from vllm_guard.runtime.config import ConfigError, parse_duration
 
-PATCH_IDS = ("kv-block-audit", "idle-release", "allocator-settings", "fault-injection")
+PATCH_IDS = ("kv-block-audit", "idle-release", "allocator-settings", "fault-injection", "add-request-abort",
+             "block-ids-drain")
 
 
 @dataclass(frozen=True)
