@@ -89,7 +89,7 @@ class AddRequestAbort:
         rid = args[0] if args else kwargs.get("request_id")
         prompt = args[1] if len(args) > 1 else kwargs.get("prompt")
         if self._core_request is not None and isinstance(prompt, self._core_request):
-            rid = prompt.request_id  # vLLM uses the request's own id in this (deprecated) form
+            rid = getattr(prompt, "request_id", None)  # vLLM uses the request's own id in this (deprecated) form
         elif inspect.isasyncgen(prompt):
             return None  # streaming input: registered later by a task the caller's abort covers
         return rid if isinstance(rid, str) else None
