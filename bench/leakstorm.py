@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +44,16 @@ def long_model(src: Path, dst: Path, max_pos: int) -> Path:
     return dst
 
 
-def text_prompt(model: Path, tokens: int, seed: int) -> str:
-    """Text that the model's tokenizer encodes to about `tokens` tokens (decoded random ids)."""
+@lru_cache(maxsize=4)
+def _tokenizer(path: str) -> Any:
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return Tokenizer.from_file(path)
+
+
+def text_prompt(model: Path, tokens: int, seed: int) -> str:
+    """Text that the model's tokenizer encodes to about `tokens` tokens (decoded random ids)."""
+    tok = _tokenizer(str(model / "tokenizer.json"))
     rng = random.Random(seed)
     text = tok.decode([rng.randrange(3, tok.get_vocab_size()) for _ in range(tokens)])
     ids = tok.encode(text).ids
