@@ -222,13 +222,14 @@ def main() -> int:
     ap.add_argument("--completed", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM argument (repeat), e.g. on a GPU")
     ap.add_argument("--out", default=None, help="directory for cancel_leak.json")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-cancel-leak-"))
     model = long_model(Path(args.model), root / "model", args.max_model_len)
     prompts = [text_prompt(model, args.prompt_tokens, seed) for seed in range(8)]
     vargs = ("--enforce-eager", "--max-model-len", str(args.max_model_len), "--max-num-seqs", "4",
-             "--max-num-batched-tokens", "2048")
+             "--max-num-batched-tokens", "2048", *args.vllm_arg)
     servers = [VllmServer("off", model, root, {"VLLM_GUARD_PATCHES": "disable=add-request-abort"}, vargs),
                VllmServer("on", model, root, {}, vargs)]
     t0 = time.time()

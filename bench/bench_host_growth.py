@@ -2,8 +2,9 @@
 
 Plain vLLM OpenAI servers (the plugin loaded, patches at their defaults), one per variant:
 `v1` (V1 model runner, prefix caching on: vLLM's defaults), `v1-noprefix`
-(`--no-enable-prefix-caching`), `v2` (`VLLM_USE_V2_MODEL_RUNNER=1`; a variant that does not start
-here is reported, not hidden), up at once and loaded in turns: batches of completed requests (unique text prompts, so prefix
+(`--no-enable-prefix-caching`), `v2` (`VLLM_USE_V2_MODEL_RUNNER=1`), `default` (vLLM picks),
+`nodrain` (the block-ids-drain patch off: with `default`, its A/B on a vLLM that lacks the
+upstream fix); a variant that does not start is reported, not hidden. Up at once, loaded in turns: batches of completed requests (unique text prompts, so prefix
 caching stores new blocks every time), RSS and USS of API server, EngineCore and Worker after
 each batch once vLLM is idle. Slope per completed request (Theil-Sen, 95 % interval) after the
 warm-up batches.
@@ -34,6 +35,8 @@ VARIANTS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "v1": ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, ()),
     "v1-noprefix": ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, ("--no-enable-prefix-caching",)),
     "v2": ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, ()),
+    "default": ({}, ()),  # vLLM picks the runner
+    "nodrain": ({"VLLM_GUARD_PATCHES": "disable=block-ids-drain"}, ()),  # the A of block-ids-drain's A/B
 }
 
 
@@ -69,6 +72,7 @@ async def run(servers: list[VllmServer], model: str, args: argparse.Namespace) -
                 await srv.wait_idle(s)
                 rec["samples"].append({"n": rec["done"], "t": time.time(), "mem": srv.memory()})
             k += 1
+    await asyncio.sleep(7)  # idle: the plugin rewrites its reports with their counters
     for srv in servers:
         rec = out[srv.name]
         rows = rec["samples"][args.warmup:]
@@ -76,6 +80,9 @@ async def run(servers: list[VllmServer], model: str, args: argparse.Namespace) -
         rec["slopes_bytes_per_request"] = {
             role: {kind: theil_sen(x, [float(r["mem"][role][kind]) for r in rows]) for kind in ("rss", "uss")}
             for role in ROLES if rows and role in rows[0]["mem"]}
+        rep = srv.patch_report(role="engine_core")
+        rec["block_ids_drain"] = {"state": rep.get("patches", {}).get("block-ids-drain"),
+                                  "details": rep.get("details", {}).get("block-ids-drain")}
     return out
 
 
@@ -111,11 +118,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM argument (repeat), e.g. on a GPU")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-host-growth-"))
     model = Path(args.model)
-    servers = [VllmServer(v, model, root, VARIANTS[v][0], VLLM_ARGS + VARIANTS[v][1]) for v in args.variants.split(",")]
+    servers = [VllmServer(v, model, root, VARIANTS[v][0], VLLM_ARGS + VARIANTS[v][1] + tuple(args.vllm_arg))
+               for v in args.variants.split(",")]
     runners: dict[str, Any] = {}
     t0 = time.time()
     try:
@@ -137,7 +146,7 @@ def main() -> int:
             s.stop()
     import vllm
 
-    result = {"args": vars(args), "vllm_version": vllm.__version__, "vllm_args": list(VLLM_ARGS),
+    result = {"args": vars(args), "vllm_version": vllm.__version__, "vllm_args": list(VLLM_ARGS) + args.vllm_arg,
               "started_s": started, "wall_s": time.time() - t0, "cpus": os.cpu_count(),
               "loadavg_end": os.getloadavg(), "runners": runners}
     if args.out:

@@ -160,10 +160,12 @@ class VllmServer:
             await asyncio.sleep(0.2)
         raise TimeoutError(f"{self.name}: still busy after {timeout:.0f} s")
 
-    def patch_report(self) -> dict[str, Any]:
-        """The plugin's report of the API server process (counters of every patch there)."""
-        assert self.proc is not None
-        f = self.state / "patches" / "gen-1" / f"{self.proc.pid}.json"
+    def patch_report(self, role: str = "api_server") -> dict[str, Any]:
+        """The plugin's report of one of the server's processes (every patch's state and counters)."""
+        proc = self.procs().get(role)
+        if proc is None:
+            return {}
+        f = self.state / "patches" / "gen-1" / f"{proc.pid}.json"
         return dict(json.loads(f.read_text())) if f.exists() else {}
 
     def stop(self) -> None:

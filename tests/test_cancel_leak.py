@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 PROMPT_TOKENS = 6000
 LIMIT = 40  # --max-num-queued-reqs: leftover states count against it
 WARM, BATCHES, PER_BATCH = 4, 4, 6  # failing requests: warm-up, then sampled batches
-CANCELS = 24
+WARM_CANCELS, CANCELS, CANCEL_BATCH = 48, 48, 12  # the cancel path's own warm-up grows ~2 MB at first
 
 
 def body(model: str, prompt: str, bad: bool = False, stream: bool = False) -> dict[str, Any]:
@@ -54,14 +54,15 @@ async def storm(srv: VllmServer, model: str, prompts: list[str]) -> dict[str, An
         times = [(await post(s, srv, body(model, p, bad=True)))[1] for p in prompts[:WARM]]  # warm-up, aim
         sent = WARM
         aim = sorted(times)[len(times) // 2]
-        for i in range(8):  # warm the cancel path before the first sample
-            await cancel_one(srv, request_bytes(srv, body(model, prompts[i % 8], stream=bool(i % 2))), aim)
+        for i in range(WARM_CANCELS):  # warm the cancel path before the first sample
+            await cancel_one(srv, request_bytes(srv, body(model, prompts[i % 8], stream=bool(i % 2))),
+                             aim * rng.uniform(0.2, 3.0))
         await srv.wait_idle(s)
         x, y = [0.0], [uss(srv)]
         for i in range(CANCELS):
             await cancel_one(srv, request_bytes(srv, body(model, prompts[i % 8], stream=bool(i % 2))),
                              aim * rng.uniform(0.2, 3.0))
-            if i % 8 == 7:
+            if i % CANCEL_BATCH == CANCEL_BATCH - 1:
                 await srv.wait_idle(s)
                 x.append(i + 1.0)
                 y.append(uss(srv))
@@ -99,7 +100,11 @@ def results(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             srv.start()
         for srv in servers:
             srv.wait_ready()
-        yield {srv.name: asyncio.run(storm(srv, str(model), prompts)) for srv in servers}
+        out = {srv.name: asyncio.run(storm(srv, str(model), prompts)) for srv in servers}
+        for name, r in out.items():  # the figures, for the log (-s)
+            print(name, {k: r[k] for k in ("cancel", "error", "after_limit", "sent_failing")},
+                  r["report"].get("details", {}).get("add-request-abort"))
+        yield out
     finally:
         for srv in servers:
             srv.stop()
@@ -133,7 +138,7 @@ def test_cancels_leave_no_state_on_this_vllm(results: dict[str, dict[str, Any]])
     at once), so a cancel lands before the registration or after the caller got its collector."""
     for name in ("off", "on"):
         c = results[name]["cancel"]
-        assert c["hi"] < results["off"]["error"]["lo"] / 4, (name, c)
+        assert c["slope"] < results["off"]["error"]["slope"] / 4, (name, c)  # a leak: ~0.6 of it
     d = results["on"]["report"]["details"]["add-request-abort"]
-    assert d["calls"] > 1 + WARM + results["on"]["sent_failing"]  # some cancels reached add_request
+    assert d["calls"] > 2 + results["on"]["sent_failing"]  # some cancels reached add_request
     assert d["cancelled_calls"] == 0
