@@ -4,11 +4,11 @@ Two plain vLLM OpenAI servers of the same build up at once, the plugin loaded in
 `off` (`VLLM_GUARD_PATCHES=disable=add-request-abort`) and `on` (default). Long text prompts, so
 a request's API-server state is large. Three phases, each server once per round in a random
 order, memory (RSS, USS of API server, EngineCore, Worker) sampled after each batch once vLLM
-reports no running or waiting request:
+reports no running or waiting request (the first sample of a phase after one unsampled batch):
 
 1. cancel storm: clients send the whole request, then reset the connection after a delay drawn
-   around the moment vLLM reaches `AsyncLLM.add_request` (calibrated per server as the time to
-   the 500 of a request that fails inside `add_request`);
+   log-uniformly around the moment vLLM reaches `AsyncLLM.add_request` (calibrated per server, at
+   the storm's concurrency, as the time to the 500 of a request that fails inside `add_request`);
 2. error storm: requests that fail inside `add_request` after the state was registered (a
    vllm_xargs string with a lone surrogate: valid JSON, accepted by vLLM's validation, refused by
    the msgpack encoder on the way to EngineCore);
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -41,7 +42,7 @@ from leakstorm import (BAD_TEXT, ROLES, VllmServer, cancel_one, long_model, post
                        request_bytes, text_prompt, theil_sen)
 
 PHASES = ("cancel", "error", "completed")
-SPREAD = (0.2, 3.0)  # cancel delays, as multiples of the aim: before, at and after add_request
+SPREAD = (0.1, 10.0)  # cancel delays, log-uniform multiples of the aim: before, at and after add_request
 IDLE_S = 7.0  # > the plugin's idle_release_after (5 s): gc.collect + malloc_trim have run
 
 
@@ -90,7 +91,7 @@ async def cancels(s: aiohttp.ClientSession, arm: Arm, model: str, prompts: list[
     async def one(i: int) -> None:
         async with sem:
             raw = request_bytes(arm.server, body(model, prompts[i % len(prompts)], stream=bool(i % 2)))
-            if await cancel_one(arm.server, raw, aim * rng.uniform(*SPREAD)):
+            if await cancel_one(arm.server, raw, aim * math.exp(rng.uniform(*map(math.log, SPREAD)))):
                 arm.cancel_no_reply += 1
 
     await asyncio.gather(*(one(i) for i in range(n)))
@@ -132,17 +133,21 @@ async def storm(arms: list[Arm], model: str, prompts: list[str], args: argparse.
             a.count = {p: 0 for p in PHASES}
             a.cancel_no_reply = 0
         for phase, n in (("cancel", args.cancels), ("error", args.errors), ("completed", args.completed)):
+            async def one_batch(a: Arm) -> None:
+                if phase == "cancel":
+                    await cancels(s, a, model, prompts, n, aim[a.server.name], rng, args.concurrency)
+                elif phase == "error":
+                    await errors(s, a, model, prompts, n)
+                else:
+                    await completed(s, a, model, prompts, n)
+
             await idle_sample(s, arms, phase)
-            for a in arms:
+            for a in arms:  # one batch before the first sample: after the idle trim the allocator regrows once
+                await one_batch(a)
                 await a.sample(s, phase)
             for _ in range(args.rounds):
                 for a in rng.sample(arms, len(arms)):
-                    if phase == "cancel":
-                        await cancels(s, a, model, prompts, n, aim[a.server.name], rng, args.concurrency)
-                    elif phase == "error":
-                        await errors(s, a, model, prompts, n)
-                    else:
-                        await completed(s, a, model, prompts, n)
+                    await one_batch(a)
                     await a.sample(s, phase)
             await idle_sample(s, arms, phase)
     return aim
@@ -203,7 +208,7 @@ def markdown(result: dict[str, Any]) -> str:
     on = result["arms"]["on"]
     lines += ["", f"Cancel aim (median time to the 500 of a failing request): "
               + ", ".join(f"{k} {1000 * v:.0f} ms" for k, v in result["aim_s"].items())
-              + f"; delays drawn from {SPREAD[0]}–{SPREAD[1]} × aim. Cancels that reached `AsyncLLM.add_request` "
+              + f"; delays log-uniform in {SPREAD[0]}–{SPREAD[1]} × aim. Cancels that reached `AsyncLLM.add_request` "
               f"in `on` (the wrapper's call counter over the cancel phase): {reached(on)} of {on['count']['cancel']}"
               + f". add-request-abort in `on`: {on['patch'].get('failed_calls', '?')} calls failed in add_request, "
               f"{on['patch'].get('cancelled_calls', '?')} of them cancelled, {on['patch'].get('released', '?')} "
