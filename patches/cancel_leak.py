@@ -134,7 +134,10 @@ class AddRequestAbort:
 
     def _abort_in_engine(self, llm: Any, ids: list[str]) -> None:
         """Send the abort from a task of its own: the caller is being cancelled or failing."""
-        loop = asyncio.get_running_loop()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # closed outside the loop (process teardown): nothing left to stop
+            return
         task = loop.create_task(llm.engine_core.abort_requests_async(ids))
         self._tasks.add(task)
         task.add_done_callback(self._aborted)
