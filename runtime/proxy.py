@@ -154,7 +154,8 @@ class Proxy:
         self.max_body = int(cfg.max_body_mb * MB)
         self.body_budget = int(cfg.body_buffer_mb * MB)
         self.body_bytes = 0  # request bodies buffered now (queued and in flight)
-        self.gate = Gate(connection_cap(cfg.max_connections), cfg.header_timeout, cfg.retry_after)
+        self.gate = Gate(connection_cap(cfg.max_connections), cfg.header_timeout, cfg.retry_after,
+                         cap_of=lambda: connection_cap(cfg.max_connections))
         self._cond = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -324,7 +325,10 @@ class Proxy:
             kind = routes.classify(request.method, request.path)
         except routes.NotAllowed as e:
             self.counters.not_forwarded += 1
-            return self._answer(f.rid, e.status, str(e))
+            resp = self._answer(f.rid, e.status, str(e))
+            if request.can_read_body:  # its body is not read: say the connection closes, or a
+                resp.force_close()     # client reusing it meets a reset
+            return resp
         f.counted = kind is routes.Kind.ENGINE
         if f.counted:
             self.counters.requests_total += 1
