@@ -50,6 +50,8 @@ _CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError, Broken
 MAX_ATTEMPTS = 2  # a request whose backend failed before answering is tried once more, never again
 RETRY_HOLDOFF_S = 5.0  # the retry waits this long for another generation before trying the same one
 MB = 1 << 20
+DISCARD_MAX = 64 << 10  # a refused (404/405) request's body up to this is read and dropped, not left unread
+DISCARD_WAIT_S = 2.0
 
 
 class Reject(Exception):
@@ -314,6 +316,22 @@ class Proxy:
             if conn is not None:
                 conn.ended()
 
+    async def _discard(self, request: web.Request) -> bool:
+        """Read and drop a refused request's body when it is small and comes at once, so the
+        client, still sending it, reads the answer instead of a reset. False: left unread."""
+        if (request.content_length or 0) > DISCARD_MAX:
+            return False
+        seen = 0
+        try:
+            while seen <= DISCARD_MAX:
+                chunk = await asyncio.wait_for(request.content.readany(), DISCARD_WAIT_S)
+                if not chunk:
+                    return True
+                seen += len(chunk)
+        except (asyncio.TimeoutError, aiohttp.ClientError, ConnectionError):
+            pass
+        return False
+
     def _client_gone(self, f: Flight, generation: int | None = None) -> None:
         if not f.gone:
             f.gone = True
@@ -326,8 +344,8 @@ class Proxy:
         except routes.NotAllowed as e:
             self.counters.not_forwarded += 1
             resp = self._answer(f.rid, e.status, str(e))
-            if request.can_read_body:  # its body is not read: say the connection closes, or a
-                resp.force_close()     # client reusing it meets a reset
+            if request.can_read_body and not await self._discard(request):
+                resp.force_close()  # a body left unread: the connection closes after the answer
             return resp
         f.counted = kind is routes.Kind.ENGINE
         if f.counted:

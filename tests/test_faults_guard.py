@@ -270,6 +270,10 @@ def test_a_held_sqlite_lock_neither_stalls_streams_nor_stops_a_recycle(guard: Gu
     max_ttfb = max(r.chunks[0] - r.started for r in old)
     assert max(pending_seen) > 0, "no ledger write was due while the lock was held: the case was not exercised"
     assert max_gap < hold_s / 3 and max_ttfb < hold_s / 3, (max_gap, max_ttfb)
+    # a recycle asked for while the next generation starts is refused, with the reason (not ignored)
+    guard.srv.wait_for(lambda s: s["state"] == "starting" and s["generation"] == gen0 + 1, 300, "starting")
+    r = guard.srv.admin("recycle", "--reason", "again")
+    assert r.returncode == 1 and "recycle refused" in r.stderr and "still starting" in r.stderr, r.stderr
     st = guard.srv.wait_serving(gen0 + 1, 400)
     guard.srv.wait_for(lambda s: s["ledger"]["pending_writes"] == 0, 120, "ledger caught up")
     st = guard.srv.status()
