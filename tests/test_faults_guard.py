@@ -255,13 +255,19 @@ def test_a_held_sqlite_lock_neither_stalls_streams_nor_stops_a_recycle(guard: Gu
             await asyncio.gather(*(worker() for _ in range(4)))
         return out
 
-    async def main() -> list[Timed]:
+    def again_while_starting() -> subprocess.CompletedProcess[str]:
+        """A recycle asked for while the next generation starts: refused with the reason, not ignored."""
+        guard.srv.wait_for(lambda s: s["state"] == "starting" and s["generation"] == gen0 + 1, 300, "starting")
+        return guard.srv.admin("recycle", "--reason", "again")
+
+    async def main() -> tuple[list[Timed], subprocess.CompletedProcess[str]]:
         task = asyncio.create_task(load())
         await asyncio.sleep(2)
         await asyncio.to_thread(hold_lock)
-        return await task
+        refused = await asyncio.to_thread(again_while_starting)
+        return await task, refused
 
-    results = asyncio.run(main())
+    results, refused = asyncio.run(main())
     bad = [r for r in results if not (r.status == 200 and r.done and r.error is None)]
     assert not bad, bad[:3]
     old = [r for r in results if r.generation == str(gen0)]
@@ -270,10 +276,8 @@ def test_a_held_sqlite_lock_neither_stalls_streams_nor_stops_a_recycle(guard: Gu
     max_ttfb = max(r.chunks[0] - r.started for r in old)
     assert max(pending_seen) > 0, "no ledger write was due while the lock was held: the case was not exercised"
     assert max_gap < hold_s / 3 and max_ttfb < hold_s / 3, (max_gap, max_ttfb)
-    # a recycle asked for while the next generation starts is refused, with the reason (not ignored)
-    guard.srv.wait_for(lambda s: s["state"] == "starting" and s["generation"] == gen0 + 1, 300, "starting")
-    r = guard.srv.admin("recycle", "--reason", "again")
-    assert r.returncode == 1 and "recycle refused" in r.stderr and "still starting" in r.stderr, r.stderr
+    assert refused.returncode == 1 and "recycle refused" in refused.stderr and "still starting" in refused.stderr, \
+        refused.stderr
     st = guard.srv.wait_serving(gen0 + 1, 400)
     guard.srv.wait_for(lambda s: s["ledger"]["pending_writes"] == 0, 120, "ledger caught up")
     st = guard.srv.status()

@@ -123,7 +123,12 @@ def run(tmp_path: Path, scenario: Callable[[Rig], Awaitable[None]], **server: An
             await proxy.stop()
             await up.stop()
 
-    asyncio.run(main())
+    try:  # the runtime's own loop (`serve` runs on uvloop where present): its transports differ
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())
 
 
 def completion(stream: bool = True, tokens: int = 8) -> dict[str, Any]:
