@@ -39,8 +39,10 @@ class Notifier:
             return None
 
     def _send(self, msg: str) -> None:
+        """sdnotify encodes as Latin-1 and drops, silently, a message it cannot encode (a reason
+        in another script, the "…" of a shortened line): hand it UTF-8 bytes as Latin-1 text."""
         if self._n is not None:
-            self._n.notify(msg)
+            self._n.notify(msg.encode("utf-8").decode("latin-1"))
 
     def ready(self, status: str) -> None:
         self.ready_sent = True

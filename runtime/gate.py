@@ -7,7 +7,8 @@ protocol, one `Conn` per connection:
 
 - at most `cap` connections; the cap comes from the descriptor limit unless set lower, because
   a proxied request holds two descriptors (client and backend) and the rest of the runtime
-  needs some too (`RESERVE`);
+  needs some too (`RESERVE`); the limit is read again at each new connection, so one lowered
+  on the running process takes effect;
 - at the cap, the connection idle longest (no request in progress: a kept-alive client, or one
   still sending headers) is closed to make room; if every connection has a request in
   progress, the newcomer gets a 503 with Retry-After and is closed;
@@ -70,7 +71,7 @@ class Conn(asyncio.Protocol):
 
     # asyncio.Protocol, delegated to aiohttp's handler once admitted
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's TCPTransport is not a subclass of asyncio.Transport, only its interface
+        # (uvloop's transports are not asyncio.Transport subclasses, only alike: no isinstance)
         self.transport = cast(asyncio.Transport, transport)
         if not self.gate.admit(self):
             return
@@ -127,10 +128,15 @@ class Conn(asyncio.Protocol):
 
 
 class Gate:
-    def __init__(self, cap: int, header_timeout: float, retry_after: int) -> None:
+    """`cap_of`, when given, is asked again at each new connection: a descriptor limit lowered
+    on the running process (`prlimit --pid`) lowers the cap with it."""
+
+    def __init__(self, cap: int, header_timeout: float, retry_after: int,
+                 cap_of: Callable[[], int] | None = None) -> None:
         self.cap = cap
+        self.cap_of = cap_of
         self.header_timeout = header_timeout
-        self._busy_reply = busy_response(retry_after, f"too many connections (at most {cap}): retry later")
+        self.retry_after = retry_after
         self.conns: dict[Any, Conn] = {}  # transport -> connection
         self.refused = 0
         self.evicted = 0
@@ -141,11 +147,16 @@ class Gate:
 
     def admit(self, c: Conn) -> bool:
         assert c.transport is not None
+        if self.cap_of is not None:
+            self.cap = self.cap_of()
+        while len(self.conns) > self.cap and self._evict_one():  # the cap was lowered meanwhile
+            pass
         if len(self.conns) >= self.cap and not self._evict_one():
             self.refused += 1
             if self.refused == 1 or self.refused % 1000 == 0:
                 log.warning("connection_refused", open=len(self.conns), cap=self.cap, refused=self.refused)
-            c.transport.write(self._busy_reply)
+            c.transport.write(busy_response(self.retry_after, f"too many connections (at most {self.cap}): "
+                                                              "retry later"))
             c.transport.close()
             return False
         self.conns[c.transport] = c

@@ -50,6 +50,8 @@ _CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError, Broken
 MAX_ATTEMPTS = 2  # a request whose backend failed before answering is tried once more, never again
 RETRY_HOLDOFF_S = 5.0  # the retry waits this long for another generation before trying the same one
 MB = 1 << 20
+DISCARD_MAX = 64 << 10  # a refused (404/405) request's body up to this is read and dropped, not left unread
+DISCARD_WAIT_S = 2.0
 
 
 class Reject(Exception):
@@ -154,7 +156,8 @@ class Proxy:
         self.max_body = int(cfg.max_body_mb * MB)
         self.body_budget = int(cfg.body_buffer_mb * MB)
         self.body_bytes = 0  # request bodies buffered now (queued and in flight)
-        self.gate = Gate(connection_cap(cfg.max_connections), cfg.header_timeout, cfg.retry_after)
+        self.gate = Gate(connection_cap(cfg.max_connections), cfg.header_timeout, cfg.retry_after,
+                         cap_of=lambda: connection_cap(cfg.max_connections))
         self._cond = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -313,6 +316,22 @@ class Proxy:
             if conn is not None:
                 conn.ended()
 
+    async def _discard(self, request: web.Request) -> bool:
+        """Read and drop a refused request's body when it is small and comes at once, so the
+        client, still sending it, reads the answer instead of a reset. False: left unread."""
+        if (request.content_length or 0) > DISCARD_MAX:
+            return False
+        seen = 0
+        try:
+            while seen <= DISCARD_MAX:
+                chunk = await asyncio.wait_for(request.content.readany(), DISCARD_WAIT_S)
+                if not chunk:
+                    return True
+                seen += len(chunk)
+        except (asyncio.TimeoutError, aiohttp.ClientError, ConnectionError):
+            pass
+        return False
+
     def _client_gone(self, f: Flight, generation: int | None = None) -> None:
         if not f.gone:
             f.gone = True
@@ -324,7 +343,10 @@ class Proxy:
             kind = routes.classify(request.method, request.path)
         except routes.NotAllowed as e:
             self.counters.not_forwarded += 1
-            return self._answer(f.rid, e.status, str(e))
+            resp = self._answer(f.rid, e.status, str(e))
+            if request.can_read_body and not await self._discard(request):
+                resp.force_close()  # a body left unread: the connection closes after the answer
+            return resp
         f.counted = kind is routes.Kind.ENGINE
         if f.counted:
             self.counters.requests_total += 1

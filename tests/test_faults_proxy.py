@@ -123,7 +123,12 @@ def run(tmp_path: Path, scenario: Callable[[Rig], Awaitable[None]], **server: An
             await proxy.stop()
             await up.stop()
 
-    asyncio.run(main())
+    try:  # the runtime's own loop (`serve` runs on uvloop where present): its transports differ
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())
 
 
 def completion(stream: bool = True, tokens: int = 8) -> dict[str, Any]:
@@ -148,6 +153,30 @@ def test_vllm_development_endpoints_never_reach_the_backend(tmp_path: Path) -> N
         assert dict(rig.upstream.hits) == {"/v1/models": 1}, rig.upstream.hits
         assert rig.proxy.counters.not_forwarded == 2 * len(DEV_ENDPOINTS) + 1
         assert t.dispatched == 0
+
+    run(tmp_path, scenario)
+
+
+def test_a_refused_path_with_a_body_gets_its_answer_not_a_reset(tmp_path: Path) -> None:
+    """A client whose body follows its headers a moment later (a loaded box, a slow client) reads
+    the 404 and can reuse the connection; a large body is not read: 404 and Connection: close."""
+    async def scenario(rig: Rig) -> None:
+        await rig.target()
+        r, w = await asyncio.open_connection("127.0.0.1", rig.proxy.cfg.port)
+        w.write(b"POST /sleep HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.3)
+        w.write(b"{}")
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 404") and b"Connection: close" not in head, head
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        await r.readexactly(length)
+        w.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")  # the same connection, reused
+        assert (await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)).startswith(b"HTTP/1.1 200")
+        w.close()
+        answer = await raw(rig.url, b"POST /sleep HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 404") and b"Connection: close" in answer, answer[:300]
+        assert rig.upstream.hits == {"/v1/models": 1}
 
     run(tmp_path, scenario)
 
@@ -433,3 +462,73 @@ def test_a_client_that_leaves_cancels_its_request_at_every_stage(tmp_path: Path)
         assert p.counters.client_disconnects == 3 and p.in_flight == 0 and p.queued == 0
 
     run(tmp_path, scenario)
+
+
+# -- memory under a 1 GB upload ---------------------------------------------------------------------
+_PROXY_ALONE = """
+import asyncio, sys
+from vllm_guard.core.config import ServerConfig
+from vllm_guard.runtime.proxy import Proxy
+async def main():
+    p = Proxy(ServerConfig(port=int(sys.argv[1])), on_limit=lambda t: None, on_error=lambda t: None)
+    await p.start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+def _kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def test_a_1gb_upload_costs_the_proxy_no_more_than_its_body_limit(tmp_path: Path) -> None:
+    """The proxy alone in a process of its own (its peak RSS is the figure), default settings
+    ([server] max_body_mb 32): a 1 GB body, declared and then chunked, sent as fast as loopback
+    takes it."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _PROXY_ALONE, str(port)], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        while (line := proc.stdout.readline()) and line.strip() != b"ready":  # (its log lines)
+            pass
+        assert line.strip() == b"ready"
+        before = _kb(proc.pid, "VmRSS")
+        sent = {}
+        for name, head in (("declared", b"Content-Length: 1073741824\r\n"), ("chunked", b"Transfer-Encoding: chunked\r\n")):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + head
+                          + b"\r\n")
+                block = b"x" * (1 << 20)
+                frame = (b"%x\r\n" % len(block)) + block + b"\r\n" if name == "chunked" else block
+                n = 0
+                try:
+                    for _ in range(1024):
+                        s.sendall(frame)
+                        n += len(block)
+                except OSError:  # the proxy answered and closed: the rest was never taken
+                    pass
+                s.settimeout(10)
+                try:
+                    answer = s.recv(4096)
+                except OSError:
+                    answer = b""
+                sent[name] = n
+                assert answer.startswith(b"HTTP/1.1 413") or answer == b"", answer[:200]
+        time.sleep(0.5)
+        peak, after = _kb(proc.pid, "VmHWM"), _kb(proc.pid, "VmRSS")
+    finally:
+        proc.kill()
+        proc.wait()
+    grew_mb = (peak - before) / 1024
+    assert grew_mb < 3 * 32, (before, peak, after)  # the 32 MB limit, and aiohttp's own buffers
+    print(f"\n[figure] 1 GB upload against the proxy (max_body_mb 32): RSS {before / 1024:.0f} MB before, "
+          f"peak {peak / 1024:.0f} MB, {after / 1024:.0f} MB after; the proxy took "
+          f"{sent['declared'] / 2**20:.0f} MB (declared) and {sent['chunked'] / 2**20:.0f} MB (chunked) "
+          f"before closing", flush=True)

@@ -1,7 +1,8 @@
 """The runtime's own end, planned or not, against a real vLLM: an exception in the supervisor
 still kills the whole vLLM process group; a runtime killed with SIGKILL leaves a ledger whose
-open generation kept its served count, and the next runtime kills the orphaned vLLM tree it
-finds there and continues the generation numbers."""
+open generation kept its served count, and — when its keeper died with it, so vLLM was left
+running — the next runtime kills the orphaned vLLM tree it finds there and continues the
+generation numbers."""
 
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ def processes_of(state_dir: Path) -> list[int]:
         except OSError:
             continue
         if needle in env.split(b"\0") and stat.rsplit(")", 1)[1].split()[0] != "Z":
+            found.append(int(d.name))
+    return found
+
+
+def keeper_of(state_dir: Path) -> list[int]:
+    """The runtime's keeper process (runtime/keeper.py, told the state dir as its marker)."""
+    marker = f"VLLM_GUARD_STATE_DIR={state_dir.resolve()}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0") if d.name.isdigit() else []
+        except OSError:
+            continue
+        if marker in argv and any(a.endswith(b"keeper.py") for a in argv):
             found.append(int(d.name))
     return found
 
@@ -82,6 +97,12 @@ def test_a_killed_runtime_leaves_served_counts_and_its_successor_reaps_the_orpha
         vllm = processes_of(state)
         assert vllm
         assert first.proc is not None
+        # The runtime's keeper kills vLLM when the runtime dies (test_faults_guard.py); here it
+        # dies first (the OOM killer, `kill -9` of the whole unit's processes but vLLM's), so the
+        # successor must find and kill what is left by itself.
+        keepers = keeper_of(state)
+        assert len(keepers) == 1, keepers
+        os.kill(keepers[0], signal.SIGKILL)
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(30)
         time.sleep(1)
