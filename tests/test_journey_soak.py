@@ -12,6 +12,7 @@ machine speed is asserted."""
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
 import subprocess
 import time
@@ -89,6 +90,34 @@ def test_serve_picked_a_kv_space_and_soak_report_agree(guard: GuardServer) -> No
     f = json.loads(out.stdout)
     assert f["latency"]["requests"] == closed["finished"] + opened["finished"]
     assert f["latency"]["failed"] == 0
+
+
+def test_resume_or_start_continues_a_killed_run_then_starts_a_new_one(guard: GuardServer, tmp_path: Path) -> None:
+    """What the soak unit runs after a restart: the unfinished run with the same load, else a new one."""
+    db = tmp_path / "r.sqlite"
+    args = [*GUARD_CMD, "soak", "--url", guard.url, "--db", str(db), "--scenario", "custom", "--prompt-tokens", "24",
+            "--output-tokens", "8", "--rate", "4", "--duration", "10s", "--no-progress", "--resume-or-start"]
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        try:
+            with sqlite3.connect(db) as c:
+                if c.execute("SELECT COUNT(*) FROM requests").fetchone()[0] >= 8:
+                    break
+        except sqlite3.OperationalError:
+            pass
+        time.sleep(0.2)
+    p.send_signal(signal.SIGKILL)
+    p.wait(30)
+    said = []
+    for _ in range(2):
+        out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        said.append(next(ln for ln in out.stderr.splitlines() if ln.startswith("soak: ")))
+    assert said[0].startswith("soak: resuming run 1: open loop at 4 req/s"), said
+    assert said[1].startswith("soak: run 2: open loop at 4 req/s"), said
+    with sqlite3.connect(db) as c:
+        assert c.execute("SELECT id, status FROM runs ORDER BY id").fetchall() == [(1, "done"), (2, "done")]
 
 
 def test_a_generation_that_cannot_start_says_why(tiny_model: str, tmp_path: Path) -> None:

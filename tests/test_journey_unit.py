@@ -123,3 +123,24 @@ def test_bare_status_says_which_state_dir_it_tried(tmp_path: Path, command: list
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert f"state dir {tmp_path / 'svc'}: $VLLM_GUARD_STATE_DIR" in lines[0]
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--rate", "0"], "--rate has value 0.0: must be > 0 (leave --rate out for a closed loop at --concurrency)"),
+    (["--rate", "-1"], "--rate has value -1.0: must be > 0"),
+    (["--rate", "nan"], "--rate has value nan: must be finite"),
+    (["--rate", "inf"], "--rate has value inf: must be finite"),
+    (["--duration", "0"], "--duration has value 0.0: must be > 0"),
+    (["--duration", "soon"], "--duration has value 'soon': not a duration"),
+    (["--concurrency", "0"], "--concurrency has value 0: must be >= 1"),
+    (["--resume", "--rate", "2"], "--resume continues a run with its stored load settings: drop --rate"),
+])
+def test_soak_nonsense_is_one_line_and_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
+    """Nothing is sent and no ledger is written: the flags are judged before any connection."""
+    db = tmp_path / "l.sqlite"
+    out = subprocess.run([sys.executable, "-m", "vllm_guard.cli", "soak", "--url", "http://127.0.0.1:9", "--db", str(db),
+                          *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2, out
+    assert out.stderr.strip().splitlines() == [f"vllm-guard: error: {out.stderr.strip().split(': error: ', 1)[1]}"]
+    assert needle in out.stderr, out.stderr
+    assert not db.exists() or db.stat().st_size == 0
