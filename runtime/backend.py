@@ -86,34 +86,46 @@ _WRAPPERS = ("See root cause above", "See stack trace for root cause", "Engine c
 ROOT_CAUSE_MAX = 300
 
 
+_PYDANTIC = re.compile(r"ValidationError: \d+ validation errors? for ")
+_PYDANTIC_TAIL = re.compile(r"\s*\[type=.*$")
+
+
+def _clean(raw: str) -> tuple[str | None, str]:
+    """(level or None, message) of one log line, without colour and vLLM's process prefix."""
+    line = _PROC.sub("", _ANSI.sub("", raw).strip()).strip()
+    m = _LEVEL.match(line)
+    return (m.group("level"), line[m.end():].strip()) if m else (None, line)
+
+
 def root_cause(log_text: str) -> str:
     """vLLM's root-cause line of a generation that died: the last exception line of a traceback
     that is not a wrapper pointing above it ("Engine core initialization failed. See root cause
     above"), else the last such wrapper, else the last ERROR line; "" when the log says nothing.
-    Pure: tested on literal logs."""
+    A pydantic ValidationError (vLLM's config checks) says what is wrong on the lines after it:
+    the first of them is added. Pure: tested on literal logs."""
+    lines = [_clean(raw) for raw in log_text.splitlines()]
     exceptions: list[str] = []
     errors: list[str] = []
-    for raw in log_text.splitlines():
-        line = _PROC.sub("", _ANSI.sub("", raw).strip()).strip()
-        m = _LEVEL.match(line)
-        if m:
-            if m.group("level") not in ("ERROR", "CRITICAL"):
-                continue
-            line = line[m.end():].strip()
-            if not line:
-                continue
-            if not _EXC.match(line):
+    for i, (level, line) in enumerate(lines):
+        if not line or level in ("WARNING", "INFO", "DEBUG"):
+            continue
+        if not _EXC.match(line):
+            if level is not None:
                 errors.append(line)
-                continue
-        if _EXC.match(line):
-            exceptions.append(line)
+            continue
+        if _PYDANTIC.search(line):
+            detail = next((d for lv, d in lines[i + 1:i + 4] if d and lv not in ("WARNING", "INFO", "DEBUG")
+                           and not _EXC.match(d)), "")
+            if detail:
+                line = f"{line}: {_PYDANTIC_TAIL.sub('', detail)}"
+        exceptions.append(line)
 
-    def direct(lines: list[str]) -> str | None:
-        return next((x for x in reversed(lines) if not any(w in x for w in _WRAPPERS)), None)
+    def direct(found: list[str]) -> str | None:
+        return next((x for x in reversed(found) if not any(w in x for w in _WRAPPERS)), None)
 
-    found = direct(exceptions) or (exceptions[-1] if exceptions else None) or direct(errors) or \
+    out = direct(exceptions) or (exceptions[-1] if exceptions else None) or direct(errors) or \
         (errors[-1] if errors else "")
-    return found if len(found) <= ROOT_CAUSE_MAX else found[:ROOT_CAUSE_MAX - 3] + "..."
+    return out if len(out) <= ROOT_CAUSE_MAX else out[:ROOT_CAUSE_MAX - 3] + "..."
 
 
 def log_tail(path: Path, limit: int = 256 * 1024) -> str:

@@ -144,3 +144,21 @@ def test_soak_nonsense_is_one_line_and_exit_2(tmp_path: Path, args: list[str], n
     assert out.stderr.strip().splitlines() == [f"vllm-guard: error: {out.stderr.strip().split(': error: ', 1)[1]}"]
     assert needle in out.stderr, out.stderr
     assert not db.exists() or db.stat().st_size == 0
+
+
+PYDANTIC_LOG = """\
+(APIServer pid=5) INFO 11-30 21:50:01 [utils.py:1] non-default args: {'max_model_len': 999999}
+Traceback (most recent call last):
+  File "/v/vllm/engine/arg_utils.py", line 1300, in create_model_config
+    return ModelConfig(
+pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+  Value error, User-specified max_model_len (999999) is greater than the derived max_model_len (max_position_embeddings=2048.0 or model_max_length=None in model's config.json). To allow overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. [type=value_error, input_value=ArgsKwargs((), {'model': '/m'}), input_type=ArgsKwargs]
+    For further information visit https://errors.pydantic.dev/2.12/v/value_error
+"""
+
+
+def test_root_cause_of_a_config_error_says_what_is_wrong() -> None:
+    found = root_cause(PYDANTIC_LOG)
+    assert found.startswith("pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig: "
+                            "Value error, User-specified max_model_len (999999) is greater than"), found
+    assert "[type=" not in found and len(found) <= ROOT_CAUSE_MAX
