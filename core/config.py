@@ -255,7 +255,8 @@ class SoakConfig:
     sample_interval: Duration | None = _f(None, gt=0)
 
 
-PATCH_IDS = ("kv-block-audit", "idle-release", "allocator-settings", "fault-injection")
+PATCH_IDS = ("kv-block-audit", "idle-release", "allocator-settings", "fault-injection", "add-request-abort",
+             "block-ids-drain")
 
 
 @dataclass(frozen=True)

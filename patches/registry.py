@@ -31,6 +31,8 @@ class Target:
     method: str | None = None
     params: tuple[str, ...] = ()
     attrs: tuple[str, ...] = ()  # instance attributes assigned as `self.<name> = ...` in the class
+    # Names whose presence means the upstream fix is in this vLLM: the patch is then not needed.
+    absent: tuple[str, ...] = ()
 
     def describe(self) -> str:
         name = f"{self.module}.{self.cls}"
@@ -38,7 +40,14 @@ class Target:
             name += f".{self.method}({', '.join(self.params)})"
         if self.attrs:
             name += " [" + ", ".join(self.attrs) + "]"
+        if self.absent:
+            name += " [without " + ", ".join(self.absent) + "]"
         return name
+
+    def fixed_reason(self, have: set[str]) -> str | None:
+        """The skip reason when the class already has one of the `absent` names, else None."""
+        found = [a for a in self.absent if a in have]
+        return f"{self.cls} has {', '.join(found)}: this vLLM carries the upstream fix" if found else None
 
 
 @dataclass(frozen=True)
@@ -143,11 +152,12 @@ def static_check(root: Path, t: Target) -> str | None:
         missing = [p for p in t.params if p not in params]
         if missing:
             return f"{t.cls}.{t.method}({', '.join(params)}) lacks parameter(s) {', '.join(missing)}"
-    if t.attrs:
+    if t.attrs or t.absent:
         have = _assigned_attrs(nodes)
         missing = [a for a in t.attrs if a not in have]
         if missing:
             return f"{t.cls} has no attribute(s) {', '.join(missing)}"
+        return t.fixed_reason(have)
     return None
 
 
@@ -171,7 +181,7 @@ def live_check(t: Target) -> str | None:
         missing = [p for p in t.params if p not in params]
         if missing:
             return f"{t.cls}.{t.method}({', '.join(params)}) lacks parameter(s) {', '.join(missing)}"
-    if t.attrs:
+    if t.attrs or t.absent:
         try:
             src = inspect.getsourcefile(cls)
         except TypeError:
@@ -183,6 +193,7 @@ def live_check(t: Target) -> str | None:
         missing = [a for a in t.attrs if a not in have]
         if missing:
             return f"{t.cls} has no attribute(s) {', '.join(missing)}"
+        return t.fixed_reason(have)
     return None
 
 

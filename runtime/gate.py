@@ -70,7 +70,7 @@ class Conn(asyncio.Protocol):
 
     # asyncio.Protocol, delegated to aiohttp's handler once admitted
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's TCPTransport has asyncio.Transport's methods but is no subclass of it: no isinstance
+        # uvloop's TCPTransport is not a subclass of asyncio.Transport, only its interface
         self.transport = cast(asyncio.Transport, transport)
         if not self.gate.admit(self):
             return
