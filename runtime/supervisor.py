@@ -199,7 +199,7 @@ class Supervisor:
         if gen.ready_mono is not None:
             await self._on_ready(gen)
         elif b.returncode is not None:
-            await self.fail(FailureKind.START_FAILED.value, b.returncode, f"exited with {b.returncode} while loading")
+            await self.fail(FailureKind.START_FAILED.value, b.returncode, await asyncio.to_thread(b.exit_detail))
         elif self.machine.overdue(now):
             await self.fail(FailureKind.START_TIMEOUT.value, None,
                              f"not ready after {self.cfg.server.startup_timeout:.0f}s")

@@ -195,7 +195,7 @@ def _sandbox_check(args: argparse.Namespace, cfg: GuardConfig, units: dict[str, 
     verdict = S.check(unit_text, layout.unit, cfg.install.user, bin_path, cfg.server.python, cfg.server.model,
                       systemd_pid1=Path("/run/systemd/system").is_dir(), is_root=os.geteuid() == 0)
     if verdict.problem:
-        raise P.PreflightError(verdict.problem)
+        raise P.PreflightError(f"{verdict.problem} (checked with {verdict.how})")
     report.notes.append(f"the service user can run the interpreter and read the model (checked with {verdict.how})")
 
 

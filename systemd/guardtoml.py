@@ -64,6 +64,13 @@ HELP: dict[str, dict[str, str]] = {
         "backoff_max": "longest wait between restarts",
         "request_timeout": "longest a proxied request may run",
         "access_log": "one `request` log line per proxied request (id, generation, status, TTFT)",
+        "metrics_addr": "address of the runtime's Prometheus metrics (requests, queue, recycles, failures)",
+        "metrics_port": "port of the runtime's Prometheus metrics; 0: none",
+        "max_body_mb": "a request body larger than this is refused (413) before it is read",
+        "body_buffer_mb": "request bodies held in memory at once, all requests together (503 beyond)",
+        "header_timeout": "a new connection must send its request headers within this time",
+        "idle_timeout": "a kept-alive connection idle (or a body that stalls) this long is closed",
+        "max_connections": "client connections at once; 0: derived from the open-file limit",
     },
     "recycle": {
         "max_requests": "recycle a generation after this many requests (probes never count); 0: off",

@@ -25,6 +25,10 @@ def test_cuda_of_torch(version: str, cuda: tuple[int, int] | None) -> None:
 @pytest.mark.parametrize("driver, needed, verdict", [
     (13000, (13, 0), "ok"), (13010, (13, 0), "ok"), (12080, (13, 0), "error"), (12020, (12, 4), "warn"),
     (None, (12, 4), "error"), (None, None, "ok"), (11080, None, "ok"),
+    # driver branches (nvmlSystemGetCudaDriverVersion): 535 = 12.2, 550 = 12.4, 570 = 12.8, 580 = 13.0;
+    # a CUDA 12 torch runs on every 12.x driver (minor-version compatibility) and on 13.x
+    (12020, (12, 8), "warn"), (12040, (12, 6), "warn"), (12080, (12, 8), "ok"), (13000, (12, 8), "ok"),
+    (12080, (13, 0), "error"),
 ])
 def test_driver_verdict(driver: int | None, needed: tuple[int, int] | None, verdict: str) -> None:
     assert P.driver_verdict(driver, needed)[0] == verdict
@@ -110,3 +114,18 @@ def test_gpus_without_driver_or_unknown_uuid(tmp_path: Path, capsys: pytest.Capt
                    "--gpus", "GPU-00000000-1111-2222-3333-444444444444"])
     err = capsys.readouterr().err
     assert rc == 2 and ("no NVIDIA driver answers" in err or "no such GPU" in err), err
+
+
+def test_torch_build_is_read_from_the_services_interpreter() -> None:
+    """torch.version.cuda as the interpreter sees it (this venv: a CPU build, so no driver needed);
+    an interpreter without torch: unknown, never a guess."""
+    import shutil
+    import sys
+
+    version, cuda, known = P.torch_build(sys.executable)
+    assert version.startswith("2.") and cuda is None and known
+    other = shutil.which("python3", path="/usr/bin:/bin")
+    if other:
+        v, c, k = P.torch_build(other)
+        if not v:
+            assert (c, k) == (None, False)

@@ -275,3 +275,19 @@ def test_cli_registers_install_uninstall_revive() -> None:
     parser, handlers = cli.build_parser()
     assert {"install", "uninstall", "revive"} <= set(handlers)
     assert parser.parse_args(["install", "--dry-run", "--gpus", "GPU-1"]).gpus == "GPU-1"
+
+
+def test_watchdog_doc_states_the_rendered_ordering(tmp_path: Path, model_dir: Path) -> None:
+    """docs/WATCHDOG.md names exactly the ordering/binding directives the rendered watchdog unit has."""
+    root = tmp_path / "root"
+    assert install(root, "--model", str(model_dir), "--port", "23989").returncode == 0
+    unit = unit_lines(root / "etc/systemd/system/vllm-guard-watchdog.service")
+    doc = (Path(__file__).resolve().parent.parent / "docs/WATCHDOG.md").read_text()
+    section = doc.split("## Under systemd", 1)[1].split("\n## ", 1)[0]
+    for key in ("After", "PartOf", "BindsTo", "Requires", "Wants"):
+        values = [v for v in unit.get(key, []) if v.startswith("vllm-guard")]
+        for v in values:
+            assert f"`{key}={v}`" in section, (key, v)
+        if not values:
+            assert f"`{key}=vllm-guard" not in section, key
+    assert "no `After=`" not in doc
