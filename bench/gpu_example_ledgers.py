@@ -74,7 +74,7 @@ def guard_toml(box: Box, d: Path, port: int, a: argparse.Namespace) -> Path:
     trigger = (f"max_host_rss_growth_mb = {a.smoke_growth_mb}\n" if a.smoke else
                f"max_gpu_memory_growth_mb = {growth:.0f}\n")
     watchdog = ("" if a.smoke else f'gpu_budget_mb = {box.budget_gib * 1024:.0f}\ngpu_profile = "{box.profile}"\n')
-    cfg.write_text(f'[server]\nstate_dir = "{d / "state"}"\nport = {port}\n'
+    cfg.write_text(f'[server]\nstate_dir = "{d / "state"}"\nport = {port}\nmetrics_port = {free_port()}\n'
                    f"[inject]\n{inject}"
                    f"[recycle]\n{trigger}memory_warmup_requests = 50\n"
                    f'[probe]\ninterval = "30s"\n'
