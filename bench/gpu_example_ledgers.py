@@ -135,7 +135,7 @@ class Run:
         self.popen("soak", [*GUARD, "soak", "--url", self.url, "--state-dir", str(self.dir / "state"),
                             "--scenario", "custom", "--duration", f"{seconds:.0f}s", "--rate", str(self.a.rate),
                             "--concurrency", "32", "--prompt-tokens", "64", "--output-tokens", "32",
-                            "--timeout", "120s", "--no-progress", "--seed", "1",
+                            "--timeout", "300s", "--no-progress", "--seed", "1",
                             "--summary-json", str(self.dir / "soak.json")])
 
     def stop(self) -> None:
