@@ -91,6 +91,37 @@ def test_no_growth_names_nothing_and_lockstep_counters_are_left_out() -> None:
     assert attribution_report([])["present"] is False
 
 
+def test_errored_requests_named_on_phased_load() -> None:
+    """The shape of tests/test_report_upstream_leak.py: phases of failing requests (+0.16 MB each
+    in the API server), of completed ones (nothing) and idle spells, 0.5 s ticks; an allocator
+    step now and then. Errored requests are named, completed ones are not."""
+    rng = np.random.default_rng(3)
+    ticks, t, api = [], 0.0, 300.0
+    done = failed = 0
+    phases = ["fail"] * 22 + ["ok"] * 22 + ["idle"] * 8
+    rng.shuffle(phases)
+    for p in phases:
+        for _ in range(int(rng.integers(3, 7))):  # ticks in this phase
+            t += 0.5
+            df = int(rng.integers(1, 3)) if p == "fail" else 0
+            dc = int(rng.integers(1, 5)) if p == "ok" else 0
+            done, failed = done + dc, failed + df
+            api += 0.16 * df + rng.normal(0, 0.05) + 2.0 * (rng.random() < 0.01)
+            ticks.append(Tick.from_sources(_at(t), {
+                "procs": {"100": {"role": "api_server", "rss_mb": api}},
+                "status": {"state": "serving", "generation": 1, "requests_total": done + failed,
+                           "requests_generation": done + failed, "in_flight": 0, "queued": 0, "failures": 0,
+                           "completed": done, "failed": failed, "client_disconnects": 0},
+            }))
+    rep = attribution_report(ticks, 0.90)
+    api_p = rep["processes"][0]
+    f = {x["feature"]: x for x in api_p["features"]}
+    assert api_p["cause"] == "errored", api_p
+    assert f["errored"]["low"] > 0 and f["errored"]["low"] <= 0.16 <= f["errored"]["high"], f["errored"]
+    assert not f["completed"]["significant"] or f["completed"]["mb_per_unit"] < 0.016, f["completed"]
+    assert any(x.startswith("API server RSS: +0.1") and "per errored request [" in x for x in rep["lines"]), rep
+
+
 # -- on real vLLM -------------------------------------------------------------------------------
 LEAK_MB = 0.25
 
