@@ -24,7 +24,7 @@ from aiohttp import web
 from vllm_guard.core.config import ServerConfig
 from vllm_guard.core.protocol import LatencySummary
 
-from .triggers import counts_toward_limit, limit_reached
+from .router import Router
 
 log = structlog.get_logger("vllm_guard.proxy")
 
@@ -98,9 +98,8 @@ class Proxy:
         self.cfg = cfg
         self.on_limit = on_limit
         self.on_error = on_error
-        self.target: Target | None = None
+        self.router = Router(on_limit)  # which target takes a request (runtime/router.py)
         self.reject_reason: str | None = None  # held or shutting down: fail fast
-        self.enforce_limit = True  # False while held: no recycle can follow, so never stop at the limit
         self.queued = 0
         self.in_flight = 0
         self.counters = Counters()
@@ -123,15 +122,21 @@ class Proxy:
             await self._runner.cleanup()
 
     async def set_target(self, target: Target | None) -> None:
-        """Dispatch to `target` from now on (None: queue everything)."""
-        self.target = target
+        """Dispatch to `target` only from now on (None: queue everything)."""
+        self.router.replace(target)
+        await self._wake()
+
+    async def add_target(self, target: Target, replica: int = 0) -> None:
+        """Dispatch to `target` too (another replica, or the successor of a generation)."""
+        self.router.add(target, replica)
         await self._wake()
 
     async def stop_dispatch(self, target: Target, dead: bool = False) -> None:
-        target.accepting = False
-        target.dead = target.dead or dead
-        if self.target is target:
-            self.target = None
+        self.router.stop(target, dead)
+        await self._wake()
+
+    async def wake_waiters(self) -> None:
+        """The router's targets changed (e.g. one may accept again): queued requests look again."""
         await self._wake()
 
     async def set_reject(self, reason: str | None) -> None:
@@ -161,18 +166,9 @@ class Proxy:
 
     # -- admission ---------------------------------------------------------------------------
     def _pick(self, counted: bool, arrived: float) -> Target | None:
-        t = self.target
-        if t is None or not t.accepting or t.dead:
-            return None
-        if counted:
-            t.dispatched += 1
-            if not counts_toward_limit(arrived, t.ready_at):
-                t.inherited += 1
-            elif self.enforce_limit and limit_reached(t.toward_limit, t.limit):
-                t.accepting = False
-                self.on_limit(t)
-        t.in_flight += 1
-        self.in_flight += 1
+        t = self.router.pick(counted, arrived)
+        if t is not None:
+            self.in_flight += 1
         return t
 
     async def _admit(self, counted: bool, arrived: float, deadline: float) -> Target:
@@ -204,9 +200,8 @@ class Proxy:
             self.queued -= 1
 
     def _release(self, t: Target) -> None:
-        t.in_flight -= 1
+        self.router.release(t)
         self.in_flight -= 1
-        t.last_activity = time.monotonic()
         if not self.in_flight:
             self._idle_since = time.monotonic()
 
@@ -241,7 +236,7 @@ class Proxy:
     async def _wait_for_new_target(self, old: Target, timeout: float) -> None:
         end = time.monotonic() + timeout
         async with self._cond:
-            while self.target is old and time.monotonic() < end:
+            while self.router.sole(old) and time.monotonic() < end:
                 try:
                     await asyncio.wait_for(self._cond.wait(), end - time.monotonic())
                 except asyncio.TimeoutError:
