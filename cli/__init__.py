@@ -42,12 +42,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     for name in COMMAND_MODULES:
         try:
             module: Any = importlib.import_module(name)
-        except ImportError as e:
-            if isinstance(e, ModuleNotFoundError) and e.name == name:
-                continue  # a build without that package
-            # TEMPORARY (branch rt, while packages migrate to the core): skip a package whose cli
-            # fails to import; restore `raise` once every package imports only the core.
-            continue
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise  # a package that is there but broken must say so, not vanish from --help
+            continue  # a build without that package
         handlers.update(module.add_commands(sub))
     return p, handlers
 

@@ -132,7 +132,9 @@ class ServerConfig:
     host: str = _f("127.0.0.1", check=_no_control)
     port: int = _f(8000, min=1, max=65535)
     state_dir: str = _f(".state", check=_no_control)
-    backend_host: str = _f("127.0.0.1", check=_no_control)
+    # empty: vLLM listens on a Unix socket in the state dir that only the runtime's user and group
+    # reach; an address (127.0.0.1): a TCP port there, which every local user can reach
+    backend_host: str = _f("", check=_no_control)
     python: str = _f("", check=_no_control)  # interpreter for the vLLM child; empty: this one
     vllm_args: list[str] = _f([], check=_no_control)
     startup_timeout: Duration = _f(Duration(600.0), gt=0)
@@ -152,6 +154,20 @@ class ServerConfig:
     backoff_max: Duration = _f(Duration(60.0), gt=0)
     request_timeout: Duration = _f(Duration(3600.0), gt=0)
     access_log: bool = True  # one `request` event per proxied request (id, generation, status, TTFT)
+    # the runtime's own Prometheus metrics (runtime/metrics.py) on metrics_addr:metrics_port; 0: off
+    metrics_addr: str = _f("127.0.0.1", check=_no_control)
+    metrics_port: int = _f(9465, min=0, max=65535)
+    # The public port's bounds: a request body larger than max_body_mb is refused (413, before it is
+    # read when Content-Length says so); bodies buffered at once (queued and in flight) stay under
+    # body_buffer_mb (503 beyond); a new connection must send its request headers within
+    # header_timeout; a kept-alive connection idle (or a body that stalls) for idle_timeout is closed;
+    # at most max_connections client connections (0: derived from the descriptor limit, so some are
+    # always left for the admin socket, the ledger and the vLLM child), 503 beyond.
+    max_body_mb: float = _f(32.0, gt=0, max=4096)
+    body_buffer_mb: float = _f(512.0, gt=0, max=65536)
+    header_timeout: Duration = _f(Duration(10.0), gt=0, max=3600)
+    idle_timeout: Duration = _f(Duration(75.0), gt=0, max=86400)
+    max_connections: int = _f(0, min=0, max=1_000_000)
     # -- recycling without a stall, replicas (docs/RUNTIME.md "Recycle strategies") --
     # auto: overlap when two generations fit in memory, else gated pre-start (GPU), else cold
     recycle_strategy: str = _f("auto", choices=RECYCLE_STRATEGIES)
@@ -254,7 +270,8 @@ class SoakConfig:
     sample_interval: Duration | None = _f(None, gt=0)
 
 
-PATCH_IDS = ("kv-block-audit", "idle-release", "allocator-settings", "fault-injection", "startup-gate")
+PATCH_IDS = ("kv-block-audit", "idle-release", "allocator-settings", "fault-injection", "add-request-abort",
+             "block-ids-drain", "startup-gate")
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,15 @@ class RequestCounters(_Model):
     # of `generation`: requests that waited through the recycle or start (its inherited
     # backlog); they do not count toward generation_limit
     generation_inherited: int = 0
+    # what the leak attribution regresses memory on; None: this runtime does not count them
+    prompt_tokens: int | None = None  # of completed requests, from vLLM's usage record
+    output_tokens: int | None = None
+    streamed: int | None = None  # counted requests that asked for a stream
+    # the public port's bounds: answered by the guard without reaching vLLM (not in the public API,
+    # body too large, too slow), open client connections, connections refused or closed at the cap
+    not_forwarded: int = 0
+    connections: int = 0
+    connections_refused: int = 0
 
 
 class FailureSummary(_Model):

@@ -104,6 +104,20 @@ class StatusBrief(_Record):
     completed: int = 0
     failed: int = 0
     client_disconnects: int = 0
+    # RequestCounters' token and stream counts; None: the runtime did not count them
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    streamed: int | None = None
+
+    @classmethod
+    def from_snapshot(cls, st: StatusSnapshot) -> StatusBrief:
+        """The counters the watchdog keeps of a status, every tick."""
+        r = st.requests
+        return cls(state=st.state.value, generation=st.generation, requests_total=r.total,
+                   requests_generation=r.generation, in_flight=r.in_flight, queued=r.queued, failures=st.failures,
+                   hold=st.hold, backend_url=st.backend_url, completed=r.completed, failed=r.failed,
+                   client_disconnects=r.client_disconnects, prompt_tokens=r.prompt_tokens,
+                   output_tokens=r.output_tokens, streamed=r.streamed)
 
 
 class Tick(_Record):

@@ -10,16 +10,45 @@ progress rule: the engine moved if its prompt+generation token counters grew.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import urllib.parse
 import uuid
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Sequence
 
 if TYPE_CHECKING:
     import aiohttp
 
 PROBE_ID_PREFIX = "vllm-guard-probe-"
 API_KEY_ENV = "VLLM_API_KEY"
+# A server on a Unix socket (vLLM's --uds): `http+unix://<percent-encoded socket path>`.
+UNIX_SCHEME = "http+unix://"
+
+
+def unix_url(path: str) -> str:
+    return UNIX_SCHEME + urllib.parse.quote(str(path), safe="")
+
+
+def unix_socket_of(url: str) -> str | None:
+    """The socket path of a `unix_url`, None for a TCP URL."""
+    if not url.startswith(UNIX_SCHEME):
+        return None
+    return urllib.parse.unquote(url[len(UNIX_SCHEME):].split("/", 1)[0])
+
+
+@contextlib.asynccontextmanager
+async def reach(session: aiohttp.ClientSession, url: str) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
+    """(session, base URL) for `url`: the given session for TCP, a short-lived one on the socket
+    for a `unix_url` (a session's connector is bound to one socket)."""
+    sock = unix_socket_of(url)
+    if sock is None:
+        yield session, url
+        return
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=sock)) as s:
+        yield s, "http://localhost"
 
 
 def arg_value(args: Sequence[str], flag: str) -> str | None:
@@ -117,7 +146,8 @@ async def health(session: aiohttp.ClientSession, url: str, timeout: float = 5.0)
     import aiohttp
 
     try:
-        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        async with reach(session, url) as (s, base), \
+                s.get(base + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             return r.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return False
@@ -132,8 +162,9 @@ async def probe(session: aiohttp.ClientSession, url: str, model: str, key: str |
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     headers = {**auth_headers(key), "X-Request-Id": f"{PROBE_ID_PREFIX}{uuid.uuid4().hex}"}
     try:
-        async with session.post(url + "/v1/completions", json=body, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        async with reach(session, url) as (s, base), \
+                s.post(base + "/v1/completions", json=body, headers=headers,
+                       timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             text = await r.text()
             if r.status != 200:
                 return ProbeResult(False, time.monotonic() - t0, f"HTTP {r.status}: {text[:200]}")
@@ -149,7 +180,8 @@ async def metrics(session: aiohttp.ClientSession, url: str, timeout: float = 5.0
     import aiohttp
 
     try:
-        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        async with reach(session, url) as (s, base), \
+                s.get(base + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status != 200:
                 return None
             text = await r.text()

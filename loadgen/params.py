@@ -13,6 +13,13 @@ import math
 from dataclasses import dataclass
 
 from vllm_guard.core.errors import ProtocolError
+from vllm_guard.core.timefmt import human_duration
+
+# What must match for `--resume-or-start` to continue a stored run rather than start a new one:
+# the load itself. Where it goes (url, state dir) and how it is observed may differ.
+LOAD_FIELDS = ("model", "scenario", "prompt_tokens", "output_tokens", "concurrency", "rate", "burstiness",
+               "mode", "burst_period_s", "burst_duty", "seed", "duration_s", "max_requests", "span_requests",
+               "tokenizer")
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,28 @@ class SoakParams:
     @property
     def closed_loop(self) -> bool:
         return math.isinf(self.rate)
+
+    def same_load(self, other: SoakParams) -> bool:
+        """True when `other` sends the same load (see LOAD_FIELDS)."""
+        return all(getattr(self, f) == getattr(other, f) for f in LOAD_FIELDS)
+
+    def describe(self) -> str:
+        """One line that says which loop runs: `open loop at 2 req/s ...` or `closed loop at
+        concurrency 4 ...`, then the length, the shape and the target."""
+        if self.closed_loop:
+            how = (f"closed loop at concurrency {self.concurrency} (the next request is sent as soon "
+                   f"as one ends)")
+        else:
+            arrivals = "Poisson" if self.burstiness == 1.0 else f"gamma, burstiness {self.burstiness:g}"
+            how = f"open loop at {self.rate:g} req/s ({arrivals}"
+            if self.mode == "burst":
+                how += f", in bursts: {self.burst_duty:.0%} of every {human_duration(self.burst_period_s)}"
+            how += ")" + (f", at most {self.concurrency} in flight" if self.concurrency else "")
+        length = human_duration(self.duration_s)
+        if self.max_requests is not None:
+            length += f" or {self.max_requests} requests, whichever comes first"
+        return (f"{how}, for {length}; {self.scenario} {self.prompt_tokens}/{self.output_tokens} tokens, "
+                f"model {self.model} at {self.url}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -1,4 +1,11 @@
-"""The open-loop soak: send on schedule, stream results to the ledger, resume after a kill.
+"""The soak: send on schedule, stream results to the ledger, resume after a kill.
+
+Two loops. Open loop (`--rate R`): request i is sent at its seeded run-time offset whether or
+not earlier ones have finished (a concurrency cap, when set, delays sends and the delay counts
+in the scheduled latencies). Closed loop (no rate): `concurrency` requests in flight, the next
+sent as soon as one ends; its scheduled time is the moment its slot freed, so nothing is
+charged to the client's own waiting. Both end when the run time reaches `duration_s`: no new
+request is sent after it, those in flight finish.
 
 Run time: the schedule's clock counts only while a soak process runs. A segment starts at the
 first request without a result; requests the journal shows as sent but the ledger lacks were
@@ -92,6 +99,7 @@ class Soak:
         self.show_progress = progress
         self.segment = 0
         self.sampler: StatusSampler | None = None
+        self.behind = 0  # open loop: scheduled before the end but never sent (the cap held them)
 
     def _body(self, seq: int) -> dict[str, Any]:
         prompt: list[int] | str
@@ -119,12 +127,36 @@ class Soak:
         self.store.flush()
         return self.store.progress(self.run_id)
 
+    async def _slot(self, sem: asyncio.Semaphore | None, deadline: float) -> bool:
+        """A free slot under the concurrency cap, or False when the run time is up or the soak
+        was told to stop first."""
+        if sem is None or not sem.locked():
+            if sem is not None:
+                await sem.acquire()
+            return True
+        acquire = asyncio.ensure_future(sem.acquire())
+        stop = asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait({acquire, stop}, timeout=max(0.0, deadline - time.monotonic()),
+                           return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not acquire.done():
+            acquire.cancel()
+        got = (await asyncio.gather(acquire, return_exceptions=True))[0] is True
+        if got and self.stop.is_set():
+            sem.release()
+            return False
+        return got
+
     async def run(self) -> str:
         first, skip = self._recover()
         duration, limit = self.p.duration_s, self.p.max_requests
+        closed = self.p.closed_loop
         offsets = self.sched.offsets(first)
-        _, offset0 = next(self.sched.offsets(first))
+        # Run time already used: open loop, the offset of the first request to send; closed loop
+        # (every offset is 0), the latest send offset a previous segment recorded.
+        offset0 = self.store.run_time_used(self.run_id) if closed else next(self.sched.offsets(first))[1]
         mono0, wall0 = time.monotonic(), time.time()
+        deadline = mono0 + (duration - offset0)  # run time reaches `duration` here
         self.segment = self.store.start_segment(self.run_id, wall0, offset0, first)
         self.store.open_journal(self.token)
         cap = self.p.concurrency
@@ -144,22 +176,32 @@ class Soak:
         status = "done"
         async with aiohttp.ClientSession(connector=conn, auto_decompress=False) as session:
             for seq, off in offsets:
-                if off >= duration or (limit is not None and seq >= limit):
+                if (limit is not None and seq >= limit) or (closed and time.monotonic() >= deadline):
                     break
                 if seq in skip:
                     continue
-                target = mono0 + (off - offset0)
-                delay = target - time.monotonic()
-                if delay > 0.05:  # long gaps: wake early on SIGINT/SIGTERM
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self.stop.wait(), delay)
-                elif delay > 0.0002:
-                    await asyncio.sleep(delay)
+                if not closed:
+                    if off >= duration:
+                        break
+                    target = mono0 + (off - offset0)
+                    delay = target - time.monotonic()
+                    if delay > 0.05:  # long gaps: wake early on SIGINT/SIGTERM
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(self.stop.wait(), delay)
+                    elif delay > 0.0002:
+                        await asyncio.sleep(delay)
                 if self.stop.is_set():
                     status = "interrupted"
                     break
-                if sem is not None:
-                    await sem.acquire()
+                if not await self._slot(sem, deadline):
+                    if self.stop.is_set():
+                        status = "interrupted"
+                    elif not closed:  # the cap held requests back until the run time was up
+                        self.behind = self.sched.count_within(duration) - seq
+                    break
+                if closed:  # scheduled = the moment the slot freed: the run time at this send
+                    target = time.monotonic()
+                    off = offset0 + (target - mono0)
                 task = asyncio.create_task(self._one(session, seq, off, target, mono0, wall0, offset0, sem))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -217,7 +259,8 @@ def summary(s: Soak, status: str) -> dict[str, Any]:
         return None if v is None else round(v, 6)
 
     return {
-        "run_id": s.run_id, "status": status, "sent": L.sent, "finished": L.done, "failed": L.failed,
+        "run_id": s.run_id, "status": status, "loop": "closed" if s.p.closed_loop else "open",
+        "concurrency": s.p.concurrency, "sent": L.sent, "not_sent_behind_schedule": s.behind, "finished": L.done, "failed": L.failed,
         "errors": dict(L.errors), "output_tokens": L.output_tokens,
         "ttft_p50_s": q(L.ttft, 0.5), "ttft_p99_s": q(L.ttft, 0.99),
         "e2e_sched_p50_s": q(L.e2e_sched, 0.5), "e2e_sched_p99_s": q(L.e2e_sched, 0.99),

@@ -116,6 +116,12 @@ class SoakStore:
         )
         return int(cur.lastrowid or 0)
 
+    def unfinished_runs(self) -> list[StoredRun]:
+        """Runs not done, newest first: what `--resume-or-start` looks through."""
+        rows = self.conn.execute("SELECT id, token, status, params FROM runs WHERE status != 'done' "
+                                 "ORDER BY id DESC").fetchall()
+        return [StoredRun(int(r["id"]), str(r["token"]), str(r["status"]), str(r["params"])) for r in rows]
+
     def stored_run(self, run_id: int | None = None) -> StoredRun | None:
         """Run `run_id`, or (None) the last one not done: what `--resume` continues."""
         sql = "SELECT id, token, status, params FROM runs "
@@ -146,6 +152,11 @@ class SoakStore:
         if status == "done":  # every request has its row now: the journal has done its job
             token = self.conn.execute("SELECT token FROM runs WHERE id = ?", (run_id,)).fetchone()[0]
             self.journal_path(token).unlink(missing_ok=True)
+
+    def run_time_used(self, run_id: int) -> float:
+        """Run time a closed-loop run has used: its latest send offset (0 for a new run)."""
+        row = self.conn.execute("SELECT MAX(offset_s) FROM requests WHERE run_id = ?", (run_id,)).fetchone()
+        return float(row[0]) if row and row[0] is not None else 0.0
 
     def progress(self, run_id: int) -> tuple[int, set[int]]:
         """(first seq without a row, seqs above it that have one): what a resume skips."""

@@ -29,6 +29,18 @@ T_POOL = Target("vllm.v1.core.block_pool", "BlockPool", "free_blocks", ("ordered
 T_BLOCK = Target("vllm.v1.core.kv_cache_utils", "KVCacheBlock", None, (), ("block_id", "ref_cnt", "is_null"))
 T_OUTPUT = Target("vllm.v1.engine.output_processor", "OutputProcessor", "add_request", ("request",),
                   ("request_states",))
+T_ADD = Target("vllm.v1.engine.async_llm", "AsyncLLM", "add_request", ("request_id", "prompt", "params"),
+               ("output_processor", "engine_core", "errored"))
+T_OP_ABORT = Target("vllm.v1.engine.output_processor", "OutputProcessor", "abort_requests", ("request_ids", "internal"),
+                    ("request_states", "external_req_ids", "parent_requests"))
+T_STATE = Target("vllm.v1.engine.output_processor", "RequestState", None, (),
+                 ("external_req_id", "parent_req", "prompt_token_ids"))
+T_CORE_ABORT = Target("vllm.v1.engine.core_client", "AsyncMPClient", "abort_requests_async", ("request_ids",))
+T_SCHEDULE = Target(SCHED, "Scheduler", "schedule", (), ("needs_kv_cache_zeroing", "kv_cache_manager"),
+                    absent=("_get_new_block_ids_to_zero",))
+T_TAKE_IDS = Target("vllm.v1.core.kv_cache_manager", "KVCacheManager", "take_new_block_ids")
+T_NEW_IDS = Target("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", None, (),
+                   ("new_block_ids", "take_new_block_ids"), absent=("records_new_block_ids", "_record_new_block_ids"))
 T_WORKER = Target("vllm.v1.worker.worker_base", "WorkerWrapperBase", "execute_model")
 T_INIT_DEVICE = Target("vllm.v1.worker.gpu_worker", "Worker", "init_device")
 # The engine loads the general plugins (us) before it builds the executor, which creates the
@@ -73,6 +85,26 @@ FAULT_INJECTION = PatchDef(
     targets=(T_FREE_REQUEST, T_FREE_BLOCKS, T_ADD_REQUEST, T_COORD, T_BLOCK, T_INIT_DEVICE),
 )
 
+ADD_REQUEST_ABORT = PatchDef(
+    id="add-request-abort",
+    fixes="API server keeps a request's whole state (prompt token ids, text, params) for good when "
+          "AsyncLLM.add_request fails or is cancelled after registering it (vLLM #57061)",
+    summary="wraps AsyncLLM.add_request: if the call raises or is cancelled, the states it registered "
+            "are aborted here and in EngineCore; the original error propagates unchanged",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("api_server",),
+    targets=(T_ADD, T_OP_ABORT, T_STATE, T_CORE_ABORT),
+)
+
+BLOCK_IDS_DRAIN = PatchDef(
+    id="block-ids-drain",
+    fixes="EngineCore host memory grows by one list entry per allocated KV block: new_block_ids recorded "
+          "for every full-attention block, drained only for models that need KV zeroing (vLLM #44175; "
+          "fixed upstream by #44490: 0.32.0 carries the fix, 0.25.1 does not)",
+    summary="after each Scheduler.schedule() that did not drain the list, drain it and drop the ids",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("engine_core",),
+    targets=(T_SCHEDULE, T_TAKE_IDS, T_NEW_IDS),
+)
+
 STARTUP_GATE = PatchDef(
     id="startup-gate",
     fixes="the stall of a cold recycle: most of a vLLM start (imports, API server, engine handshake) "
@@ -84,7 +116,7 @@ STARTUP_GATE = PatchDef(
     targets=(T_ENGINE_INIT,),
 )
 
-ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION, STARTUP_GATE)
+ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION, ADD_REQUEST_ABORT, BLOCK_IDS_DRAIN, STARTUP_GATE)
 
 # Targets a role actually touches (a worker never sees the scheduler, and so on).
 ROLE_TARGETS: dict[tuple[str, str], tuple[Target, ...]] = {

@@ -65,6 +65,7 @@ class Plugin:
         appliers: dict[str, Callable[[], str]] = {
             "kv-block-audit": self._audit, "idle-release": self._idle,
             "allocator-settings": self._allocator, "fault-injection": self._inject,
+            "add-request-abort": self._add_request_abort, "block-ids-drain": self._block_ids_drain,
             "startup-gate": self._gate,
         }
         for defn in defs.ALL:
@@ -122,6 +123,25 @@ class Plugin:
         self.parts["idle-release"] = t
         return f"after {p.idle_release_after:g}s idle: gc.collect" + (" + malloc_trim(0)" if p.malloc_trim else "") \
             + " + torch.cuda.empty_cache where CUDA is initialized"
+
+    def _add_request_abort(self) -> str:
+        from .cancel_leak import AddRequestAbort, ShapeMismatch
+
+        guard = AddRequestAbort(self.channel, self.write)
+        try:
+            guard.install()
+        except ShapeMismatch as e:
+            raise _Skip(str(e)) from e
+        self.parts["add-request-abort"] = guard
+        return "AsyncLLM.add_request wrapped: a failed or cancelled call releases what it registered"
+
+    def _block_ids_drain(self) -> str:
+        from .block_ids import BlockIdsDrain
+
+        drain = BlockIdsDrain()
+        drain.install()
+        self.parts["block-ids-drain"] = drain
+        return "Scheduler.schedule wrapped: new_block_ids drained when vLLM does not read them"
 
     def _allocator(self) -> str:
         note = os.environ.get(contract.NOTE_VAR)

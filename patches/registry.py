@@ -33,6 +33,8 @@ class Target:
     params: tuple[str, ...] = ()
     attrs: tuple[str, ...] = ()  # instance attributes assigned as `self.<name> = ...` in the class
     calls: tuple[str, ...] = ()  # names `method` calls, the first call of each in this order
+    # Names whose presence means the upstream fix is in this vLLM: the patch is then not needed.
+    absent: tuple[str, ...] = ()
 
     def describe(self) -> str:
         name = f"{self.module}.{self.cls}"
@@ -42,7 +44,14 @@ class Target:
             name += " [" + ", ".join(self.attrs) + "]"
         if self.calls:
             name += " calls " + " before ".join(self.calls)
+        if self.absent:
+            name += " [without " + ", ".join(self.absent) + "]"
         return name
+
+    def fixed_reason(self, have: set[str]) -> str | None:
+        """The skip reason when the class already has one of the `absent` names, else None."""
+        found = [a for a in self.absent if a in have]
+        return f"{self.cls} has {', '.join(found)}: this vLLM carries the upstream fix" if found else None
 
 
 @dataclass(frozen=True)
@@ -180,11 +189,12 @@ def static_check(root: Path, t: Target) -> str | None:
         node = _method_node(nodes, t.method)
         if t.calls and node is not None and (why := call_order(node, f"{t.cls}.{t.method}", t.calls)):
             return why
-    if t.attrs:
+    if t.attrs or t.absent:
         have = _assigned_attrs(nodes)
         missing = [a for a in t.attrs if a not in have]
         if missing:
             return f"{t.cls} has no attribute(s) {', '.join(missing)}"
+        return t.fixed_reason(have)
     return None
 
 
@@ -215,7 +225,7 @@ def live_check(t: Target) -> str | None:
                 return f"{t.cls}.{t.method}: source not readable, cannot check its calls ({e})"
             if why := call_order(tree, f"{t.cls}.{t.method}", t.calls):
                 return why
-    if t.attrs:
+    if t.attrs or t.absent:
         try:
             src = inspect.getsourcefile(cls)
         except TypeError:
@@ -227,6 +237,7 @@ def live_check(t: Target) -> str | None:
         missing = [a for a in t.attrs if a not in have]
         if missing:
             return f"{t.cls} has no attribute(s) {', '.join(missing)}"
+        return t.fixed_reason(have)
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,21 @@ import numpy as np
 from vllm_guard.core.reliability import ServiceFigures, service_figures
 from vllm_guard.core.timefmt import utcnow
 
-from . import ledgerread, memory, thermal
+from . import attribution, cost, ledgerread, memory, sla, summary, thermal
 from .latency import latency_report
 
 SCHEMA = "vllm-guard-report/1"
 COMPARE_SCHEMA = "vllm-guard-compare/1"
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the operator chose beyond the ledger: confidence, SLA tiers, prices."""
+
+    confidence: float = 0.90
+    tiers: tuple[tuple[str, float | None], ...] = sla.DEFAULT_TIERS
+    sla_latency: str = "ttft"
+    prices: cost.Prices | None = None
 
 
 def _patch_states(d: ledgerread.LedgerData) -> dict[str, Any] | None:
@@ -64,12 +75,16 @@ def _samples_section(d: ledgerread.LedgerData) -> dict[str, Any]:
             "first_error": p.first or None, "note": note}
 
 
-def build(d: ledgerread.LedgerData, confidence: float = 0.90, now: float | None = None) -> dict[str, Any]:
+def build(d: ledgerread.LedgerData, opts: Options | None = None, now: float | None = None) -> dict[str, Any]:
+    opts = opts or Options()
+    confidence = opts.confidence
     now = time.time() if now is None else now
     svc = service_figures(d.runtime, now, confidence)
     wd = memory.points_from_watchdog(d.ticks)
     pts, src = (wd, "watchdog") if wd else (memory.points_from_soak(d.soak_samples), "soak")
-    leak = memory.leak_report(pts, src if pts else None, confidence)
+    headroom, headroom_from = memory.gpu_headroom(d.ticks, d.watchdog_meta.gpu_budget_mb)
+    leak = memory.leak_report(pts, src if pts else None, confidence, gpu_headroom_mb=headroom,
+                              gpu_headroom_from=headroom_from)
     if d.incidents is None:
         incidents: dict[str, Any] = {"present": False, "note": "no incidents table (watchdog not installed here)", "list": []}
     else:
@@ -78,17 +93,26 @@ def build(d: ledgerread.LedgerData, confidence: float = 0.90, now: float | None 
                                "action": i.action, "restored_at": i.restored_at} for i in d.incidents]}
     ends = d.requests.get("ended_at", np.array([]))
     sp = d.status_problems
-    return {
-        "schema": SCHEMA, "generated_at": utcnow(), "ledger": d.path, "label": ledger_label(svc, d.watchdog_meta),
+    label = ledger_label(svc, d.watchdog_meta)
+    service = svc.to_dict()
+    lat = latency_report(d.requests, d.errors, d.runs, svc.requests_served)
+    f: dict[str, Any] = {
+        "schema": SCHEMA, "generated_at": utcnow(), "ledger": d.path, "label": label,
         "profile": {"gpu_profile": d.watchdog_meta.gpu_profile, "gpu_budget_mb": d.watchdog_meta.gpu_budget_mb},
-        "service": svc.to_dict(),
+        "service": service,
         "incidents": incidents, "leak": leak,
+        "attribution": attribution.attribution_report(d.ticks, confidence),
         "watchdog_samples": _samples_section(d),
         "soak_status": {"count": len(d.soak_status), "invalid": sp.bad, "first_error": sp.first or None},
         "thermal": thermal.thermal_report(d.ticks, ends[np.isfinite(ends)]),
-        "latency": latency_report(d.requests, d.errors, d.runs, svc.requests_served),
+        "latency": lat,
+        "sla": sla.sla_report(d.requests, d.errors, opts.tiers, opts.sla_latency),
+        "cost": cost.cost_report(d.ticks, lat, d.requests, service, label, opts.prices),
         "patches": _patch_states(d),
+        "empty": not (svc.present or d.ticks or d.errors or d.soak_samples),
     }
+    f["summary"] = summary.summary(_clean(f))
+    return f
 
 
 def _clean(o: Any) -> Any:
@@ -104,14 +128,18 @@ def _clean(o: Any) -> Any:
     return o
 
 
-def figures(db: str | Path, confidence: float = 0.90, run_id: int | None = None
+def figures(db: str | Path, opts: Options | None = None, run_id: int | None = None
             ) -> tuple[dict[str, Any], ledgerread.LedgerData]:
     d = ledgerread.load(db, run_id)
-    return _clean(build(d, confidence)), d
+    f = _clean(build(d, opts))
+    if f["empty"]:
+        raise ledgerread.LedgerError(f"{d.path}: the ledger is empty (no generations, watchdog samples or soak "
+                                     "requests): nothing to report yet")
+    return f, d
 
 
-def render(db: str | Path, fmt: str, confidence: float = 0.90, run_id: int | None = None) -> str:
-    f, d = figures(db, confidence, run_id)
+def render(db: str | Path, fmt: str, opts: Options | None = None, run_id: int | None = None) -> str:
+    f, d = figures(db, opts, run_id)
     if fmt == "json":
         return json.dumps(f, indent=2, sort_keys=True) + "\n"
     if fmt == "html":
@@ -123,19 +151,22 @@ def render(db: str | Path, fmt: str, confidence: float = 0.90, run_id: int | Non
     return render_text(f)
 
 
-def render_compare(paths: list[str], fmt: str, confidence: float = 0.90) -> str:
+def render_compare(paths: list[str], fmt: str, opts: Options | None = None) -> str:
+    from .compare import verdict_lines
     from .text import compare_rows
 
-    (fa, da), (fb, db_) = figures(paths[0], confidence), figures(paths[1], confidence)
+    opts = opts or Options()
+    (fa, da), (fb, db_) = figures(paths[0], opts), figures(paths[1], opts)
     rows = compare_rows(fa, fb)
+    verdict = verdict_lines(fa, da, fb, db_, opts.confidence)
     if fmt == "json":
-        out = {"schema": COMPARE_SCHEMA, "a": fa, "b": fb,
+        out = {"schema": COMPARE_SCHEMA, "a": fa, "b": fb, "verdict": verdict,
                "rows": [{"figure": k, "a": a, "b": b} for k, a, b in rows]}
         return json.dumps(_clean(out), indent=2, sort_keys=True) + "\n"
     if fmt == "html":
         from .html import render_compare_html
 
-        return render_compare_html(fa, da, fb, db_, rows)
+        return render_compare_html(fa, da, fb, db_, rows, verdict)
     from .text import render_compare_text
 
-    return render_compare_text(fa, fb, rows)
+    return render_compare_text(fa, fb, rows, verdict)

@@ -8,6 +8,7 @@ written is one line on stderr and exit 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +31,13 @@ def add_commands(sub: Any) -> dict[str, Handler]:
                    help="two ledgers side by side")
     r.add_argument("--run-id", type=int, default=None, help="soak run for latency and errors (default: all runs)")
     r.add_argument("--confidence", type=float, default=0.90,
-                   help="level of the MTBF bounds and leak intervals, in (0, 1) (default 0.90)")
+                   help="level of the MTBF bounds, leak intervals and --compare tests, in (0, 1) (default 0.90)")
+    r.add_argument("--prices", default=None,
+                   help="price file (TOML: card, host, power price, operations) for $/M tokens and the TCO")
+    r.add_argument("--sla", default=None, metavar="TIER=BOUND,...",
+                   help="SLA tiers as P99 bounds, strictest first (default interactive=500ms,batch=5s,offline=none)")
+    r.add_argument("--sla-latency", choices=["ttft", "e2e", "ttft_sched", "e2e_sched"], default="ttft",
+                   help="the latency the SLA tiers bound (default ttft)")
     return {"report": cmd_report}
 
 
@@ -43,6 +50,20 @@ def _ledger(args: argparse.Namespace) -> str:
     return str(Path(resolve_state_dir(args.state_dir)[0]) / LEDGER_NAME)
 
 
+def _check_out(out: str | None) -> None:
+    """An --out that cannot be written fails before the ledger is read (one line, exit 2)."""
+    if out is None:
+        return
+    p = Path(out)
+    parent = p.resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"--out has value {out!r}: no directory {str(p.parent)!r}")
+    if p.is_dir():
+        raise UsageError(f"--out has value {out!r}: it is a directory (give a file name)")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UsageError(f"--out has value {out!r}: not writable by this user")
+
+
 def cmd_report(args: argparse.Namespace, _: list[str]) -> int:
     from vllm_guard.core.ledger import LedgerError
 
@@ -50,13 +71,19 @@ def cmd_report(args: argparse.Namespace, _: list[str]) -> int:
 
     if not 0 < args.confidence < 1:
         raise ConfigError(f"--confidence has value {args.confidence!r}: must be in (0, 1)")
-    if args.out is not None and not Path(args.out).resolve().parent.is_dir():
-        raise UsageError(f"--out has value {args.out!r}: no directory {str(Path(args.out).parent)!r}")
+    _check_out(args.out)
+    if args.compare and args.run_id is not None:
+        raise UsageError("--run-id selects a soak run of one ledger: not with --compare")
+    from .cost import load_prices
+    from .sla import parse_tiers
+
+    opts = build.Options(confidence=args.confidence, tiers=parse_tiers(args.sla), sla_latency=args.sla_latency,
+                         prices=load_prices(args.prices) if args.prices else None)
     try:
         if args.compare:
-            text = build.render_compare(args.compare, args.format, args.confidence)
+            text = build.render_compare(args.compare, args.format, opts)
         else:
-            text = build.render(_ledger(args), args.format, args.confidence, args.run_id)
+            text = build.render(_ledger(args), args.format, opts, args.run_id)
     except LedgerError as e:
         raise UsageError(str(e)) from e
     if args.out is None:

@@ -85,8 +85,29 @@ def _series(points: list[MemPoint], metric: str, by_requests: bool) -> list[Seri
     return list(groups.values())
 
 
+def gpu_headroom(ticks: list[Tick] | None, budget_mb: float | None) -> tuple[float | None, str]:
+    """GPU MB left at the last NVML tick, by the watchdog's rule: its GPU budget (meta) minus
+    what the service's processes hold, else the least free memory of the GPUs (NVML total -
+    used). With the reason, for the report."""
+    last = next((s for s in reversed(ticks or []) if s.nvml is not None and s.nvml.gpus), None)
+    if last is None or last.nvml is None:
+        return None, "no NVML samples"
+    gpus = last.nvml.gpus
+    if budget_mb:
+        ours = {int(p) for p in (last.procs or {})}
+        used = sum(p.used_mb or 0.0 for g in gpus for p in g.processes if not ours or p.pid in ours)
+        return budget_mb - used, f"the watchdog's GPU budget {budget_mb:g} MB minus the service's {used:g} MB"
+    free = [(g.mem_total_mb - g.mem_used_mb, g.mem_total_mb) for g in gpus
+            if g.mem_total_mb is not None and g.mem_used_mb is not None]
+    if not free:
+        return None, "NVML gave no memory total"
+    left, total = min(free)
+    return left, f"NVML free memory ({left:g} of {total:g} MB)"
+
+
 def leak_report(points: list[MemPoint], source: str | None, confidence: float = 0.90,
-                warmup_requests: int = 20) -> dict[str, Any]:
+                warmup_requests: int = 20, gpu_headroom_mb: float | None = None,
+                gpu_headroom_from: str = "no NVML samples") -> dict[str, Any]:
     if not points:
         return {"source": None, "processes": [], "note": "no memory samples: run the watchdog, or give the soak "
                 "--state-dir so it records the guard's memory readings"}
@@ -113,7 +134,8 @@ def leak_report(points: list[MemPoint], source: str | None, confidence: float = 
             procs.append({
                 "role": role, "metric": metric, "per_100_requests": per_req.to_dict(), "per_hour": per_h.to_dict(),
                 "last_mb": last, "per_generation_per_100_requests": gens,
-                "time_to_oom_h": time_to_limit_h(headroom, per_h.slope) if metric != "gpu_mb" else None,
+                "kind": "gpu" if metric == "gpu_mb" else "host",
+                "time_to_oom_h": time_to_limit_h(gpu_headroom_mb if metric == "gpu_mb" else headroom, per_h.slope),
             })
     host_slope = sum(rss_slopes)
     tto = time_to_limit_h(headroom, host_slope)
@@ -121,6 +143,8 @@ def leak_report(points: list[MemPoint], source: str | None, confidence: float = 
         "source": source, "confidence": confidence, "warmup_requests": warmup_requests,
         "points": len(points), "host_available_mb_end": headroom,
         "host_rss_slope_mb_per_h": host_slope, "host_time_to_oom_h": None if tto is None or math.isinf(tto) else tto,
+        "gpu_headroom_mb_end": gpu_headroom_mb, "gpu_headroom_from": gpu_headroom_from,
         "processes": procs,
-        "note": "time_to_oom_h: host headroom at the end / growth per hour (GPU headroom needs the watchdog)",
+        "note": "time_to_oom_h: headroom at the end (host: available memory; GPU: the watchdog's budget or "
+                "NVML's free memory) / growth per hour",
     }

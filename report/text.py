@@ -33,8 +33,13 @@ def _patch_line(p: dict[str, Any]) -> str:
     return f"{p['process']}: {', '.join(applied) or 'none applied'}"
 
 
+def verdict_block(f: dict[str, Any]) -> list[str]:
+    """The answers first: the summary's lines (the same in HTML and JSON)."""
+    return [f"  {line}" for line in f["summary"]["lines"]]
+
+
 def render_text(f: dict[str, Any]) -> str:
-    out = [f"vllm-guard report  {f['ledger']}  ({f['label']})", ""]
+    out = [f"vllm-guard report  {f['label']}  ({f['ledger']})", "", "VERDICT", *verdict_block(f), ""]
     s = f["service"]
     out.append("SERVICE")
     if not s.get("present"):
@@ -67,6 +72,14 @@ def render_text(f: dict[str, Any]) -> str:
         out.append(f"  {p['role']:<11} {p['metric']:<7} {_interval(p['per_100_requests'])} MB/100 req, "
                    f"{_interval(p['per_hour'])} MB/h, last {fmt(p['last_mb'], ' MB')}, "
                    f"time to OOM {fmt(p['time_to_oom_h'], ' h')}")
+    att = f.get("attribution") or {}
+    for p in att.get("processes", []):
+        if p["features"]:
+            feats = ", ".join(f"{x['feature']} {x['mb_per_unit']:+.3g} [{x['low']:.3g}, {x['high']:.3g}] MB/{x['unit']}"
+                              for x in p["features"])
+            out.append(f"  cause? {p['role']} {p['metric']}: {feats}" + (f" -> {p['cause']}" if p["cause"] else ""))
+    if att.get("counters_missing"):
+        out.append(f"  (not counted by this runtime, so not attributed: {', '.join(att['counters_missing'])})")
     for gen, procs in sorted((f.get("patches") or {}).items()):
         out.append(f"  patches, generation {gen}: " + "; ".join(_patch_line(p) for p in procs.values()))
     out += ["", "THERMAL"]
@@ -80,6 +93,30 @@ def render_text(f: dict[str, Any]) -> str:
                    f"{fmt(g['sm_clock_p50_mhz'], ' MHz', 0)} of {fmt(g['sm_clock_max_mhz'], ' MHz', 0)} "
                    f"(drop {fmt(g['clock_drop_pct'], ' %')}); throughput throttled {fmt(g['throughput_throttled_rps'], ' req/s', 2)}"
                    f" vs {fmt(g['throughput_unthrottled_rps'], ' req/s', 2)}")
+    out += ["", "SLA (P99 per hour; a failed request meets no bound)"]
+    sl = f["sla"]
+    if not sl["present"]:
+        out.append(f"  {sl['note']}")
+    for h in sl["per_hour"]:
+        out.append(f"  hour {h['hour']} from {h['from']}: {h['requests']} requests, {sl['latency']} P99 "
+                   f"{ms(h['p99_s'])} -> {h['tier'] or 'no tier'}")
+    out += ["", "COST"]
+    c = f["cost"]
+    out.append(f"  energy {fmt(c['energy_kwh'], ' kWh', 4)}, mean power {fmt(c['mean_power_w'], ' W', 0)} over "
+               f"{c['gpus_metered']} GPU(s); output tokens {fmt(c['output_tokens'])}; tokens/kWh "
+               f"{fmt(c['tokens_per_kwh'], '', 0)}")
+    if c.get("per_million_tokens"):
+        pm, pr = c["per_million_tokens"], c["prices"]
+        out.append(f"  {pm['cost']:,.2f} {pr['currency']} per M output tokens at {pm['output_tokens_per_s']:.4g} tok/s "
+                   f"({pm['hourly']:,.3f} {pr['currency']}/h; power {pm['power_w']:.0f} W from {pm['power_from']})")
+    if c.get("tco") and c["prices"]:
+        t, pr = c["tco"], c["prices"]
+        parts = ", ".join(f"{k} {fmt(v, '', 0)}" for k, v in t["parts"].items())
+        out.append(f"  {t['years']:g}-year TCO {fmt(t['total'], '', 0)} {pr['currency']} ({parts}); outages/month "
+                   f"{fmt(t['outages_per_month'], '', 2)} from {t['outages_from']}")
+        out.append(f"  prices: {pr['box']} from {pr['file']}" + (f" ({pr['source']})" if pr["source"] else ""))
+    for n in c["notes"]:
+        out.append(f"  {n}")
     out += ["", "LATENCY AND ERRORS"]
     lat = f["latency"]
     if not lat["present"]:
@@ -125,7 +162,18 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, A
     for name, path in (("up h", ("service", "up_h")), ("availability", ("service", "availability")),
                        ("unplanned failures", ("service", "failures_unplanned")),
                        ("MTBF h", ("service", "mtbf", "mtbf_h")), ("MTBF lower h", ("service", "mtbf", "lower_one_sided_h")),
+                       ("MTBF interval low h", ("service", "mtbf", "two_sided_low_h")),
+                       ("MTBF interval high h", ("service", "mtbf", "two_sided_high_h")),
+                       ("downtime planned s", ("service", "downtime_planned_s")),
+                       ("downtime unplanned s", ("service", "downtime_unplanned_s")),
+                       ("recycles scheduled", ("service", "recycles", "scheduled")),
+                       ("recycles preventive", ("service", "recycles", "preventive")),
+                       ("generations", ("service", "generations")),
                        ("MTTR s", ("service", "mttr_s")), ("requests served", ("service", "requests_served")),
+                       ("SLA tier (every hour)", ("sla", "run_tier")), ("SLA P99 s", ("sla", "run_p99_s")),
+                       ("tokens per kWh", ("cost", "tokens_per_kwh")),
+                       ("cost per M tokens", ("cost", "per_million_tokens", "cost")),
+                       ("TCO", ("cost", "tco", "total")),
                        ("soak requests", ("latency", "requests")),
                        ("error rate", ("latency", "error_rate")), ("throughput req/s", ("latency", "throughput_rps")),
                        ("output tok/s", ("latency", "output_tokens_per_s")),
@@ -142,9 +190,16 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, A
     return rows
 
 
-def render_compare_text(a: dict[str, Any], b: dict[str, Any], rows: list[tuple[str, Any, Any]]) -> str:
+def render_compare_text(a: dict[str, Any], b: dict[str, Any], rows: list[tuple[str, Any, Any]],
+                        verdict: dict[str, Any]) -> str:
     w = max(len(r[0]) for r in rows)
     cell = (lambda v: fmt(v, nd=4) if isinstance(v, float) else fmt(v))  # noqa: E731
-    out = [f"{'':<{w}}  {'A: ' + a['ledger']:<40}  B: {b['ledger']}"]
+    out = [f"vllm-guard compare  A: {a['label']} ({a['ledger']})  vs  B: {b['label']} ({b['ledger']})", "",
+           verdict["overall"], ""]
+    out += [f"  {'+' if x['significant'] else ' '} {x['text']}" for x in verdict["lines"]]
+    out += ["  (+ significant at the chosen confidence)", ""]
+    for name, f in (("A", a), ("B", b)):
+        out += [f"VERDICT {name}: {f['label']}", *verdict_block(f), ""]
+    out += [f"{'':<{w}}  {'A: ' + a['ledger']:<40}  B: {b['ledger']}"]
     out += [f"{k:<{w}}  {cell(x):<40}  {cell(y)}" for k, x, y in rows]
     return "\n".join(out) + "\n"

@@ -4,6 +4,16 @@ The child is `python -m vllm.entrypoints.openai.api_server` in a session of its 
 server, EngineCore and workers share one process group that a single `killpg` reaches. Talking
 to it (health, the probe with the server's API key and a probe request id, /metrics) follows
 `core.vllm_api`, the rules the watchdog uses too.
+
+Only the guard reaches it: with `[server] backend_host` empty (the default) vLLM listens on a
+Unix socket in the state dir (`--uds`), which local users cannot connect to (the socket and the
+state dir belong to the runtime's user and group), instead of a loopback port that any local
+user could use to bypass the proxy, its limits and its accounting.
+
+It dies with the runtime: the API server is started through a two-line launcher that sets its
+parent-death signal (SIGKILL) before exec'ing vLLM, and vLLM's own children, which do not
+inherit that signal, are killed by the runtime's `keeper` process when the runtime's end closes
+its pipe. A runtime killed with SIGKILL therefore leaves no vLLM process holding the GPU.
 """
 
 from __future__ import annotations
@@ -25,12 +35,41 @@ from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.notify import SYSTEMD_VARS
 from vllm_guard.core.protocol import ChildProcess
 
-from . import procs
+from . import procs, statedir
+from .keeper import Keeper
 
 if TYPE_CHECKING:
     import aiohttp
 
 log = structlog.get_logger("vllm_guard.backend")
+
+SOCKET_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+# `python -S -c _LAUNCH PARENT_PID COMMAND...`: SIGKILL when the runtime (PARENT_PID) dies, then
+# exec vLLM (the signal survives exec). If the runtime died before prctl, exit at once.
+_LAUNCH = ("import ctypes,os,signal,sys\n"
+           "ctypes.CDLL(None,use_errno=True).prctl(1,signal.SIGKILL,0,0,0)\n"
+           "if os.getppid()!=int(sys.argv[1]):os._exit(70)\n"
+           "os.execv(sys.argv[2],sys.argv[2:])\n")
+_keeper: Keeper | None = None
+
+
+def keeper(marker: str) -> Keeper:
+    """This runtime's keeper (started with the first generation, restarted if it died)."""
+    global _keeper
+    if _keeper is None or _keeper.proc.poll() is not None or _keeper.marker != marker:
+        _keeper = Keeper(marker)
+    return _keeper
+
+
+def socket_path(state_dir: Path, generation: int) -> Path:
+    """The generation's Unix socket: in the state dir, or (a path too long for sun_path) in a
+    private temporary dir."""
+    p = state_dir.absolute() / f"backend-{generation}.sock"
+    if len(str(p).encode()) <= SOCKET_MAX:
+        return p
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="vllm-guard-")) / f"backend-{generation}.sock"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -70,9 +109,21 @@ class Backend:
     known_pids: set[int] = field(default_factory=set)
     started_mono: float = 0.0
     pid_started: float | None = None  # the API server's start time (epoch s): tells a reused pid
+    uds: Path | None = None  # vLLM's --uds socket (set when host is empty)
+
+    def __post_init__(self) -> None:
+        if not self.host and self.uds is None:
+            self.uds = socket_path(self.state_dir, self.generation)
+
+    @property
+    def state_dir(self) -> Path:
+        """The generation's state dir (the plugin's variable in its environment)."""
+        return Path(self.env.get(plugin.STATE_DIR_VAR) or self.log_path.parent.parent)
 
     @property
     def url(self) -> str:
+        if self.uds is not None:
+            return vllm_api.unix_url(str(self.uds))
         return f"http://{self.host}:{self.port}"
 
     @property
@@ -92,18 +143,30 @@ class Backend:
         return None if self.proc is None else self.proc.returncode
 
     def command(self) -> list[str]:
-        return [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--host", self.host, "--port", str(self.port),
-            *self.vllm_args,
-        ]
+        where = ["--uds", str(self.uds)] if self.uds is not None else ["--host", self.host, "--port", str(self.port)]
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, *where,
+                *self.vllm_args]
+
+    def launch_command(self) -> list[str]:
+        """`command()` behind the parent-death launcher."""
+        return [self.python, "-S", "-c", _LAUNCH, str(os.getpid()), *self.command()]
+
+    def _open_log(self) -> int:
+        """The generation's log, opened with no link followed inside the state dir."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        try:
+            return statedir.open_under(self.state_dir, self.log_path, flags)
+        except ValueError:  # a log outside the state dir (tests): at least its last component
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(self.log_path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
 
     async def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o640)
+        fd = await asyncio.to_thread(self._open_log)
+        if self.uds is not None:
+            self.uds.unlink(missing_ok=True)  # a killed runtime's; vLLM's bind fails on an existing path
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *self.command(), stdin=asyncio.subprocess.DEVNULL, stdout=fd, stderr=fd,
+                *self.launch_command(), stdin=asyncio.subprocess.DEVNULL, stdout=fd, stderr=fd,
                 env=self.env, start_new_session=True,
             )
         finally:
@@ -111,6 +174,12 @@ class Backend:
         self.started_mono = time.monotonic()
         self.known_pids.add(self.proc.pid)
         self.pid_started = procs.start_time(self.proc.pid)
+        marker = self.env.get(plugin.STATE_DIR_VAR)
+        if marker:
+            try:
+                keeper(f"{plugin.STATE_DIR_VAR}={marker}").watch(self.proc.pid)
+            except OSError as e:  # the parent-death signal still stops the API server
+                log.error("keeper_failed", error=str(e))
 
     # -- processes (blocking /proc reads run in a worker thread) ------------------------------
     async def children(self) -> list[ChildProcess]:
@@ -136,7 +205,19 @@ class Backend:
         alive = await asyncio.to_thread(procs.alive, pids, self.pid or None)
         if self.proc is not None and self.proc.returncode is None and self.pid not in alive:
             alive.append(self.pid)
+        if not alive:
+            self.gone()
         return sorted(alive)
+
+    def gone(self) -> None:
+        """The whole tree is gone: its socket file goes too, and the keeper forgets it."""
+        if self.uds is not None:
+            try:
+                self.uds.unlink(missing_ok=True)
+            except OSError:
+                pass
+        if _keeper is not None and self.proc is not None:
+            _keeper.forget(self.proc.pid)
 
     async def kill_for_good(self, timeout: float = 10.0) -> None:
         """SIGKILL to the group and every known pid, then wait until they are gone and reaped
@@ -173,8 +254,9 @@ class Backend:
         import aiohttp
 
         try:
-            async with session.get(self.url + "/version", headers=vllm_api.auth_headers(self.api_key),
-                                   timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with vllm_api.reach(session, self.url) as (s, base), \
+                s.get(base + "/version", headers=vllm_api.auth_headers(self.api_key),
+                      timeout=aiohttp.ClientTimeout(total=5)) as r:
                 data = await r.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return ""

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import fcntl
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,8 +29,9 @@ from . import tiny_model
 
 Handler = Callable[[argparse.Namespace, list[str]], int]
 
-RUNTIME_OWNED_ARGS = ("--host", "--port", "--model")
+RUNTIME_OWNED_ARGS = ("--host", "--port", "--model", "--uds")
 _MIN_ABBREV = 3  # "--h": vLLM's argparse takes any unambiguous prefix of a flag
+_YAML_KEY = re.compile(r"^[\"']?([A-Za-z0-9_.-]+)[\"']?\s*:")
 
 # serve flag -> (section, key, help) in guard.toml
 SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
@@ -140,13 +142,35 @@ def apply_strategy_flags(args: argparse.Namespace, cfg: GuardConfig) -> None:
 
 
 # -- serve ------------------------------------------------------------------------------------
+def _owned(flag: str) -> bool:
+    """Would vLLM's parser (FlexibleArgumentParser: `_` is `-`, `--a.b` sets a, any unambiguous
+    prefix of a flag is the flag) read `flag` as one the runtime owns? Every prefix counts: vLLM
+    expands it to the owned flag or refuses it as ambiguous."""
+    name = flag.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+    return name.startswith("--") and len(name) >= _MIN_ABBREV and any(o.startswith(name) for o in RUNTIME_OWNED_ARGS)
+
+
+def _config_keys(path: str) -> list[str]:
+    """Top-level keys of a vLLM `--config` YAML file (vLLM turns each into `--key value`)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as e:
+        raise UsageError(f"vLLM --config {path!r}: {e.strerror or e}") from e
+    return [m.group(1) for line in text.splitlines() if (m := _YAML_KEY.match(line))]
+
+
 def find_owned_arg(args: Iterable[str]) -> str | None:
-    """The first runtime-owned flag in vLLM's args (`--port 1`, `--port=1`, or an abbreviation
-    vLLM's parser would expand to it, like `--ho`), else None."""
-    for a in args:
-        flag = a.split("=", 1)[0]
-        if flag.startswith("--") and len(flag) >= _MIN_ABBREV and any(o.startswith(flag) for o in RUNTIME_OWNED_ARGS):
+    """The first runtime-owned flag in vLLM's args (`--port 1`, `--port=1`, `--po 1`, `--ho`,
+    `--model.x`, or a key of a `--config` YAML file that would become one), else None."""
+    items = list(args)
+    for i, a in enumerate(items):
+        if _owned(a):
             return a
+        if a.split("=", 1)[0] == "--config":
+            path = a.split("=", 1)[1] if "=" in a else (items[i + 1] if i + 1 < len(items) else "")
+            for key in _config_keys(path) if path else []:
+                if _owned("--" + key):
+                    return f"{key}: in {path}"
     return None
 
 
@@ -174,6 +198,14 @@ def _preflight_port(host: str, port: int) -> None:
             raise UsageError(f"[server] port has value {port}: cannot bind {host}:{port} ({e.strerror})") from e
 
 
+def _preflight_model(model: str) -> None:
+    """A model given as a path (absolute, ./ or ../ or ~) must exist: otherwise every generation
+    fails to start and the runtime gives up after [server] max_failures, far from the cause.
+    Other names may be hub ids."""
+    if model and model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().exists():
+        raise UsageError(f"[server] model has value {model!r}: no such file or directory")
+
+
 def _preflight_group(group: str) -> None:
     import grp
 
@@ -185,13 +217,26 @@ def _preflight_group(group: str) -> None:
 
 
 def _lock_state_dir(state_dir: Path) -> TextIO:
-    """Create the state dir and hold its lock (one runtime per state dir); links not followed."""
+    """Create the state dir and hold its lock (one runtime per state dir). The dir must not be a
+    link, nor (as root) another user's, nor writable by all; nothing inside is opened through a
+    link (`statedir`)."""
+    from . import statedir
+
     where = f"[server] state_dir has value {str(state_dir)!r}"
     try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(state_dir / "runtime.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o640)
+        dfd = statedir.open_dir(state_dir)
+    except statedir.StateDirError as e:
+        raise UsageError(f"{where}: {e}") from e
+    try:
+        for name in ("ledger.sqlite", "ledger.sqlite-wal", "ledger.sqlite-shm", "logs", "patches"):
+            statedir.not_a_link(state_dir / name)
+        fd = statedir.open_file(dfd, "runtime.lock", os.O_RDWR | os.O_CREAT)
+    except statedir.StateDirError as e:
+        raise UsageError(f"{where}: {e}") from e
     except OSError as e:
-        raise UsageError(f"{where}: {e.strerror or e}") from e
+        raise UsageError(f"{where}: runtime.lock: {e.strerror or e}") from e
+    finally:
+        os.close(dfd)
     fh = os.fdopen(fd, "r+")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -225,6 +270,7 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     python = cfg.server.python or sys.executable
     _preflight_port(cfg.server.host, cfg.server.port)
     _preflight_group(cfg.server.admin_group)
+    _preflight_model(cfg.server.model)
     lock = _lock_state_dir(Path(cfg.server.state_dir))
     try:
         logsetup.configure(args.log_level)

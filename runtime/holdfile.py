@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from vllm_guard.core.sanitize import one_line
 from vllm_guard.core.timefmt import utcnow
 
 NAME = "hold.json"
@@ -34,7 +35,7 @@ class HoldFile:
         except (OSError, ValueError):
             return "unreadable hold file"
         reason = data.get("reason") if isinstance(data, dict) else None
-        return str(reason) if reason else "hold"
+        return one_line(str(reason)) if reason else "hold"  # it is echoed: status, logs, sd_notify
 
     def write(self, reason: str) -> None:
         """Raises OSError when the hold cannot be persisted (the caller still holds in memory)."""

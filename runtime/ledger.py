@@ -35,7 +35,24 @@ log = structlog.get_logger("vllm_guard.ledger")
 
 MAX_PENDING = 10_000  # beyond this the oldest queued write is dropped (and counted as failed)
 RETRY_MIN_S, RETRY_MAX_S = 0.2, 5.0
+PERMANENT_TRIES = 3  # a write that fails this often with a non-transient error (a corrupt page) is dropped
 RUNTIME_TABLES = ("generations", "recycles", "failures")
+# Errors that go away by themselves: another process holds the lock, the disk is full, I/O failed.
+_TRANSIENT = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_FULL", "SQLITE_IOERR", "SQLITE_CANTOPEN", "SQLITE_READONLY",
+              "SQLITE_PROTOCOL", "SQLITE_NOMEM")
+
+
+def transient(e: sqlite3.Error) -> bool:
+    """Worth retrying for as long as it takes (vs. a corrupt page or a bad statement)."""
+    name = getattr(e, "sqlite_errorname", "") or ""
+    if name:
+        return name.startswith(_TRANSIENT)
+    text = str(e).lower()
+    return any(w in text for w in ("locked", "busy", "full", "disk i/o", "unable to open", "readonly"))
+
+
+def _busy(e: BaseException | None) -> bool:
+    return isinstance(e, sqlite3.Error) and transient(e)
 
 
 @dataclass(frozen=True)
@@ -56,18 +73,35 @@ class OpenGeneration:
 
 
 class RuntimeLedger:
-    """One writer thread; every public method only queues and returns at once."""
+    """One writer thread; every public method only queues and returns at once.
+
+    A ledger that another process holds locked at start does not stop the runtime: what start-up
+    needs is read (readers are never blocked in WAL mode) and the writer connects when it can.
+    """
 
     def __init__(self, path: str | Path, busy_timeout_s: float = L.BUSY_TIMEOUT_S) -> None:
-        self.conn = L.connect(path, busy_timeout_s)  # LedgerError at start: one line, nothing started
+        self.path = L.db_path(path)
+        self.busy_timeout_s = busy_timeout_s
+        self.conn: sqlite3.Connection | None = None
+        try:
+            self.conn = L.connect(path, busy_timeout_s)  # LedgerError at start: one line, nothing started
+        except L.LedgerError as e:
+            if not _busy(e.__cause__):
+                raise
+            log.error("ledger_locked_at_start", error=str(e.__cause__), path=str(self.path))
         self.host = socket.gethostname()
         self.boot_id = boot_id()
+        reader = self.conn if self.conn is not None else self._reader()
         try:
-            self._ids = {t: self._max_id(t) for t in RUNTIME_TABLES}
-            self.first_generation = L.next_generation(self.conn)
-        except sqlite3.Error as e:  # a corrupt page, a lock held past the busy timeout
-            self.conn.close()
-            raise L.LedgerError(f"{L.db_path(path)} cannot be read: {type(e).__name__}: {e}") from e
+            self._ids = {t: self._max_id(reader, t) for t in RUNTIME_TABLES}
+            self.first_generation = L.next_generation(reader)
+            self._open = self._open_generations(reader)
+        except sqlite3.Error as e:  # a corrupt page, a missing table
+            self._close_conn()
+            raise L.LedgerError(f"{self.path} cannot be read: {type(e).__name__}: {e}") from e
+        finally:
+            if reader is not self.conn:
+                reader.close()
         self._queue: collections.deque[_Write] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -78,8 +112,20 @@ class RuntimeLedger:
         self._thread = threading.Thread(target=self._run, name="ledger-writer", daemon=True)
         self._thread.start()
 
-    def _max_id(self, table: str) -> int:
-        return int(self.conn.execute(f"SELECT COALESCE(MAX(id), 0) FROM {table}").fetchone()[0])
+    def _reader(self) -> sqlite3.Connection:
+        try:
+            return sqlite3.connect(str(self.path), timeout=self.busy_timeout_s, isolation_level=None,
+                                   check_same_thread=False)
+        except sqlite3.Error as e:
+            raise L.LedgerError(f"{self.path} cannot be read: {e}") from e
+
+    def _close_conn(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+    @staticmethod
+    def _max_id(conn: sqlite3.Connection, table: str) -> int:
+        return int(conn.execute(f"SELECT COALESCE(MAX(id), 0) FROM {table}").fetchone()[0])
 
     def _next_id(self, table: str) -> int:
         self._ids[table] += 1
@@ -95,8 +141,22 @@ class RuntimeLedger:
             self._queue.append(_Write(sql, params, what))
             self._cond.notify()
 
+    def _write(self, w: _Write) -> None:
+        if self.conn is None:  # locked at start: connect now (it creates nothing an open file lacks)
+            try:
+                self.conn = L.connect(self.path, self.busy_timeout_s)
+            except L.LedgerError as e:
+                if isinstance(e.__cause__, sqlite3.Error):
+                    raise e.__cause__ from None
+                raise sqlite3.OperationalError(str(e)) from None
+        self.conn.execute(w.sql, w.params)
+
     def _run(self) -> None:
+        """Write in order; a failed write is retried with backoff (the same one: order is kept)
+        until it succeeds, or, for an error that will not go away, PERMANENT_TRIES times. Never
+        dies: a failure of its own logging is not a reason to stop writing."""
         delay = RETRY_MIN_S
+        tries = 0
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
@@ -105,33 +165,55 @@ class RuntimeLedger:
                     return
                 w = self._queue[0]
                 self._busy = True
+            error: sqlite3.Error | None = None
             try:
-                self.conn.execute(w.sql, w.params)
-                ok = True
+                self._write(w)
             except sqlite3.Error as e:
-                self._failed(w, e)
-                ok = False
+                error = e
+            except Exception as e:  # noqa: BLE001 - not SQLite's (a bug): keep the thread, count the write
+                error = sqlite3.DatabaseError(f"{type(e).__name__}: {e}")
+            drop = False
+            if error is not None:
+                tries += 1
+                drop = not transient(error) and tries >= PERMANENT_TRIES
+                self._failed(w, error, drop)
             with self._cond:
                 self._busy = False
-                if ok:
+                if error is None or drop:
                     if self._queue and self._queue[0] is w:  # (it may have been dropped meanwhile)
                         self._queue.popleft()
-                    if self._failing_since is not None:
-                        log.info("ledger_recovered", after_s=round(time.monotonic() - self._failing_since, 1))
-                        self._failing_since = None
-                    delay = RETRY_MIN_S
+                    if drop:
+                        self.failed_writes += 1
+                    elif self._failing_since is not None:
+                        self._recovered()
+                    delay, tries = RETRY_MIN_S, 0
                 else:
                     self._cond.wait(delay)  # the same write again after the delay (order is kept)
                     delay = min(RETRY_MAX_S, delay * 2)
                 self._cond.notify_all()
 
-    def _failed(self, w: _Write, e: sqlite3.Error) -> None:
+    def _failed(self, w: _Write, e: sqlite3.Error, dropped: bool) -> None:
         msg = f"{type(e).__name__}: {e}"
-        if self._failing_since is None or msg != self.last_error:
-            log.error("ledger_write_failed", what=w.what, error=msg, pending=len(self._queue))
+        first = self._failing_since is None or msg != self.last_error
         if self._failing_since is None:
             self._failing_since = time.monotonic()
         self.last_error = msg
+        try:
+            if dropped:
+                log.error("ledger_write_dropped", what=w.what, error=msg, reason="not a transient error")
+            elif first:
+                log.error("ledger_write_failed", what=w.what, error=msg, pending=len(self._queue))
+        except Exception:  # noqa: BLE001 - the log itself failed (a full disk under stderr): keep writing
+            pass
+
+    def _recovered(self) -> None:
+        assert self._failing_since is not None
+        after = round(time.monotonic() - self._failing_since, 1)
+        self._failing_since = None
+        try:
+            log.info("ledger_recovered", after_s=after, pending=len(self._queue))
+        except Exception:  # noqa: BLE001 - see _failed
+            pass
 
     def health(self) -> LedgerHealth:
         with self._cond:
@@ -156,24 +238,27 @@ class RuntimeLedger:
         if lost:
             log.error("ledger_writes_lost", writes=lost, error=self.last_error)
         if not self._thread.is_alive():
-            self.conn.close()
+            self._close_conn()
         return lost == 0
 
-    # -- start-up (synchronous: nothing serves yet) -------------------------------------------
-    def open_generations(self) -> list[OpenGeneration]:
-        rows = self.conn.execute(
+    # -- start-up ------------------------------------------------------------------------------
+    @staticmethod
+    def _open_generations(conn: sqlite3.Connection) -> list[OpenGeneration]:
+        rows = conn.execute(
             "SELECT id, generation, pid, pid_started FROM generations WHERE ended_at IS NULL").fetchall()
         return [OpenGeneration(int(r[0]), int(r[1]), r[2], r[3]) for r in rows]
 
+    def open_generations(self) -> list[OpenGeneration]:
+        """Generations a previous runtime left open (read when this ledger was opened)."""
+        return list(self._open)
+
     def close_open_generations(self, reason: str) -> int:
         """A generation a previous runtime left open ended when it was last seen (its last
-        incremental update), with the requests it had served by then; never at ready_at with 0."""
-        cur = self.conn.execute(
-            "UPDATE generations SET ended_at = COALESCE(updated_at, ready_at, started_at), end_reason = ?, "
-            "end_class = ? WHERE ended_at IS NULL",
-            (reason, L.UNPLANNED),
-        )
-        return int(cur.rowcount)
+        incremental update), with the requests it had served by then; never at ready_at with 0.
+        Queued like every write (before this runtime's first generation)."""
+        self._put("UPDATE generations SET ended_at = COALESCE(updated_at, ready_at, started_at), end_reason = ?, "
+                  "end_class = ? WHERE ended_at IS NULL", (reason, L.UNPLANNED), "close open generations")
+        return len(self._open)
 
     # -- the runtime's records ---------------------------------------------------------------
     def generation_started(self, generation: int, pid: int, pid_started: float | None, model: str,

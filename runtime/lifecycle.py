@@ -22,7 +22,7 @@ import structlog
 from vllm_guard.core.ledger import FailureKind
 from vllm_guard.core.protocol import Command, CommandRequest
 
-from . import monitors, procs
+from . import metrics, monitors, procs
 from .commands import Stop
 from .ledger import RuntimeLedger
 from .status import visible_gpu_name
@@ -51,6 +51,7 @@ async def open_runtime(sup: Supervisor, admin_start: Callable[[Supervisor], Awai
     await sup.proxy.start()
     if admin_start is not None:
         sup.admin = await admin_start(sup)  # keep a reference: a dropped runner closes
+    metrics.start(sup)  # the runtime's Prometheus metrics ([server] metrics_port; 0: off)
     sup.tasks.append(asyncio.create_task(monitors.guarded("status", 0, lambda: monitors.status_loop(
         sup.live_generations, sup.state_dir, sup.wake))))
     log.info("runtime_started", port=sup.cfg.server.port, state_dir=str(sup.state_dir), model=sup.model,

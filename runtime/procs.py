@@ -178,13 +178,22 @@ def kill_recorded_tree(pid: int, started: float | None, timeout: float = 10.0) -
     if started is None:
         return []
     now_started = start_time(pid)
-    if now_started is None or abs(now_started - started) > START_TIME_TOLERANCE_S:
-        return []  # gone, or the pid was reused by something else
-    try:
-        members = {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
-    except psutil.NoSuchProcess:
-        members = {pid}
-    members |= group_members(pid)
+    if now_started is None:
+        # The API server is gone (its parent-death signal), its EngineCore and workers may not
+        # be: the rest of its process group, every member started after it (a group id is not
+        # reused while the group has members, so those are its own).
+        members = {p for p in group_members(pid) if (t := start_time(p)) is not None
+                   and t >= started - START_TIME_TOLERANCE_S}
+        if not members:
+            return []
+    elif abs(now_started - started) > START_TIME_TOLERANCE_S:
+        return []  # the pid was reused by something else
+    else:
+        try:
+            members = {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
+        except psutil.NoSuchProcess:
+            members = {pid}
+        members |= group_members(pid)
     signal_pids(members, signal.SIGKILL, pgid=pid)
     end = time.monotonic() + timeout
     while time.monotonic() < end and alive(members):

@@ -197,6 +197,7 @@ class Replica:
                  children=[c.model_dump(mode="json") for c in gen.listed_children])
         if os.environ.get(FAULT_VAR) == "ready":
             raise InjectedFault(f"{FAULT_VAR}=ready: raised once generation {gen.number} was ready")
+        sup.last_probe = None  # a clean slate: the last probe of the old generation says nothing of this one
         sup.ready()
         assert sup.http is not None
         http, n = sup.http, gen.number

@@ -91,7 +91,7 @@ class Router:
             return
         route.past_limit = allowed
         if allowed and not target.dead:
-            target.accepting = True
+            target.accepting, target.limit_closed = True, False
 
     def failed(self, target: Target, now: float | None = None) -> None:
         """A request to `target` failed before reaching the client: pass it over for a moment."""
@@ -106,28 +106,32 @@ class Router:
         return [r.target for r in self.routes if r.open]
 
     # -- the proxy's side ----------------------------------------------------------------------
-    def pick(self, counted: bool, arrived: float) -> Target | None:
-        """The target for a request that arrived at `arrived` (monotonic), or None: it waits."""
-        route = choose(self.routes, time.monotonic())
+    def pick(self, counted: bool, arrived: float, avoid: Target | None = None,
+             avoid_until: float = 0.0) -> tuple[Target, bool] | None:
+        """The target for a request that arrived at `arrived` (monotonic), and whether it counts
+        as the target's backlog (inherited); None: it waits. `avoid` (a retry's failed target) is
+        not picked before `avoid_until`, even when it is the only one."""
+        now = time.monotonic()
+        routes = [r for r in self.routes if not (r.target is avoid and now < avoid_until)]
+        route = choose(routes, now)
         if route is None:
             return None
         t = route.target
+        inherited = False
         if counted:
             t.dispatched += 1
             if not counts_toward_limit(arrived, t.ready_at):
                 t.inherited += 1
+                inherited = True
             elif self.enforce_limit and not route.past_limit and limit_reached(t.toward_limit, t.limit):
                 t.accepting = False
+                t.limit_closed = True
                 self.on_limit(t)
         t.in_flight += 1
         route.seq = next(self._seq)
-        return t
+        return t, inherited
 
     def release(self, target: Target) -> None:
         """A request to `target` ended (whatever its outcome)."""
         target.in_flight -= 1
         target.last_activity = time.monotonic()
-
-    def sole(self, target: Target) -> bool:
-        """`target` is still the only target that accepts (a retry has nowhere else to go)."""
-        return self.accepting() == [target]

@@ -31,7 +31,8 @@ def snapshot(sup: Supervisor) -> StatusSnapshot:
         total=c.requests_total, completed=c.completed, failed=c.failed_requests, rejected=c.rejected,
         retried=c.retried, client_disconnects=c.client_disconnects, in_flight=sup.proxy.in_flight,
         queued=sup.proxy.queued, generation=t.dispatched if t else 0, generation_limit=t.limit if t else None,
-        generation_inherited=t.inherited if t else 0,
+        generation_inherited=t.inherited if t else 0, not_forwarded=c.not_forwarded,
+        connections=len(sup.proxy.gate.conns), connections_refused=sup.proxy.gate.refused + sup.proxy.gate.evicted,
     )
     children = [ch for r in sup.replicas if r.gen is not None and not r.gen.ended for ch in r.gen.listed_children]
     return StatusSnapshot(

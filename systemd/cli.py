@@ -20,6 +20,7 @@ from vllm_guard.core.errors import UsageError
 if TYPE_CHECKING:
     from vllm_guard.core.config import GuardConfig
 
+    from .preflight import Report
     from .render import Layout
 
 Handler = Callable[[argparse.Namespace, list[str]], int]
@@ -48,6 +49,21 @@ def add_commands(sub: Any) -> dict[str, Handler]:
     i.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra environment for the runtime (repeatable)")
     i.add_argument("--force-config", action="store_true", help="overwrite an existing guard.toml")
+    r = i.add_argument_group("recycling (a new guard.toml recycles on memory growth: host RSS +4096 MB, "
+                             "GPU +1024 MB since warm-up; never on a request count unless asked)")
+    r.add_argument("--max-requests", type=int, default=None, metavar="N",
+                   help="recycle a generation after N requests (default 0: off)")
+    r.add_argument("--max-requests-jitter", type=int, default=None, metavar="N",
+                   help="add a random 0..N to --max-requests per generation")
+    r.add_argument("--max-uptime", default=None, metavar="DUR",
+                   help="recycle a generation that has served this long, e.g. 24h (default 0: off)")
+    r.add_argument("--max-host-rss-growth-mb", type=float, default=None, metavar="MB",
+                   help="recycle when vLLM's host RSS grew this much since warm-up (default 4096; 0: off)")
+    r.add_argument("--max-gpu-memory-growth-mb", type=float, default=None, metavar="MB",
+                   help="recycle when vLLM's GPU memory grew this much since warm-up (default 1024; 0: off)")
+    r.add_argument("--forecast-horizon", default=None, metavar="DUR",
+                   help="the watchdog recycles when a leak's forecast runs out of memory within this time "
+                        "(default 1h)")
     u = sub.add_parser("uninstall", help="disable and remove the units (keeps the ledger and users)")
     u.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     u.add_argument("--root", default=None, metavar="DIR", help="remove from this prefix (packaging, tests)")
@@ -81,7 +97,7 @@ def _unit_active(unit: str) -> bool:
 
     if shutil.which("systemctl") is None:
         return False
-    return subprocess.run(["systemctl", "is-active", "--quiet", unit]).returncode == 0
+    return subprocess.run(["systemctl", "is-active", "--quiet", unit], capture_output=True).returncode == 0
 
 
 def _watchdog_available() -> bool:
@@ -98,19 +114,32 @@ def cmd_install(args: argparse.Namespace, _: list[str]) -> int:
     root = Path(args.root).resolve() if args.root else Path("/")
     live = args.root is None and not args.dry_run
     layout = _layout(args.instance)
-    cfg = F.base_config(args.config, R.under(root, layout.config))
+    cfg, new = F.base_config(args.config, R.under(root, layout.config))
+    if new:
+        F.gpu_box_defaults(cfg)
+    recycle = {k: getattr(args, k) for k in F.RECYCLE_FLAGS if getattr(args, k) is not None}
     F.apply_flags(cfg, model=args.model, host=args.host, port=args.port, user=args.user,
-                  watchdog_user=args.watchdog_user, gpus=args.gpus, env=args.env, layout=layout)
+                  watchdog_user=args.watchdog_user, gpus=args.gpus, env=args.env, layout=layout, recycle=recycle)
     text, cfg = F.render(cfg, layout)
     settings = cfg.install
-    _preflight(args, live, cfg, layout)
-    base = R.base_context(settings, _bin_path(), I.stop_timeout(cfg), [cfg.server.model])
+    report = _preflight(args, live, cfg, layout)
+    bin_path = _bin_path()
+    base = R.base_context(settings, bin_path, I.stop_timeout(cfg), [cfg.server.model, cfg.server.python], cfg)
     units = R.render_units(base)
+    _sandbox_check(args, cfg, units, layout, bin_path, report)
+    for w in report.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    for n in report.notes:
+        print(f"preflight: {n}", file=sys.stderr)
     watchdog = _watchdog_available()
     # A re-install without flags keeps an operator's guard.toml; flags that change it rewrite it
     # from the existing file plus the flags (other keys survive, comments do not).
     changes = (args.model, args.port, args.host, args.config, args.user, args.watchdog_user, args.gpus)
-    rewrite = args.force_config or bool(args.env) or any(v is not None for v in changes)
+    rewrite = args.force_config or bool(args.env) or bool(recycle) or any(v is not None for v in changes)
+    if not rewrite and F.recycle_off(cfg):
+        print(f"note: {layout.config} turns every recycle trigger off; re-run install with "
+              "--max-host-rss-growth-mb/--max-gpu-memory-growth-mb (or edit [recycle]) to recycle before a leak",
+              file=sys.stderr)
     plan = I.plan_install(root, live, layout, text, settings.environment(), units, settings, watchdog, rewrite)
     if not watchdog:
         print("note: `vllm-guard watchdog` is not in this build: its unit is installed, not enabled",
@@ -129,8 +158,8 @@ def cmd_install(args: argparse.Namespace, _: list[str]) -> int:
     return 0
 
 
-def _preflight(args: argparse.Namespace, live: bool, cfg: GuardConfig, layout: Layout) -> None:
-    """Each failure raises PreflightError (one line, exit 2); warnings are printed."""
+def _preflight(args: argparse.Namespace, live: bool, cfg: GuardConfig, layout: Layout) -> Report:
+    """Each failure raises PreflightError (one line, exit 2); warnings and notes are returned."""
     from . import preflight as P
 
     report = P.Report()
@@ -145,8 +174,29 @@ def _preflight(args: argparse.Namespace, live: bool, cfg: GuardConfig, layout: L
         P.require_free_port(cfg.server.host, cfg.server.port)
     if args.root is None:
         P.check_nvidia(cfg.server.python or sys.executable, cfg.install.gpus, report)
-    for w in report.warnings:
-        print(f"warning: {w}", file=sys.stderr)
+    return report
+
+
+def _sandbox_check(args: argparse.Namespace, cfg: GuardConfig, units: dict[str, str], layout: Layout,
+                   bin_path: str, report: Report) -> None:
+    """The service user runs the interpreter(s) and reads the model under the rendered unit's
+    sandbox (systemd-run, or setpriv and the sandbox's path rules); PreflightError otherwise."""
+    import os
+
+    from . import preflight as P
+    from . import sandbox as S
+
+    if args.root is not None:
+        report.notes.append("--root: the service user and sandbox check was skipped (paths belong to the "
+                            "target system)")
+        return
+    unit_text = (units["vllm-guard.service"] if layout.instance is None
+                 else units["vllm-guard@.service"].replace("%i", layout.instance))
+    verdict = S.check(unit_text, layout.unit, cfg.install.user, bin_path, cfg.server.python, cfg.server.model,
+                      systemd_pid1=Path("/run/systemd/system").is_dir(), is_root=os.geteuid() == 0)
+    if verdict.problem:
+        raise P.PreflightError(verdict.problem)
+    report.notes.append(f"the service user can run the interpreter and read the model (checked with {verdict.how})")
 
 
 def cmd_uninstall(args: argparse.Namespace, _: list[str]) -> int:

@@ -6,6 +6,7 @@ machine (root, sd_booted, a port, NVML, the venv's torch), so they are tested on
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -71,6 +72,7 @@ def require_model_dir(model: str) -> None:
 
 
 _CU = re.compile(r"\+cu(\d+)(\d)$")
+_CUDA = re.compile(r"^(\d+)\.(\d+)")
 
 
 def cuda_of_torch(torch_version: str) -> tuple[int, int] | None:
@@ -79,36 +81,66 @@ def cuda_of_torch(torch_version: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def cuda_version(text: str | None) -> tuple[int, int] | None:
+    """`torch.version.cuda` ("12.4", "13.0") -> (12, 4); None (a CPU build) -> None."""
+    m = _CUDA.match(text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def driver_verdict(driver_cuda: int | None, needed: tuple[int, int] | None) -> tuple[str, str]:
-    """('ok'|'warn'|'error', why) for NVML's nvmlSystemGetCudaDriverVersion (e.g. 12040)."""
+    """('ok'|'warn'|'error', why) for NVML's nvmlSystemGetCudaDriverVersion (e.g. 12040) against
+    the CUDA the installed torch was built for. A driver of the same major version but an older
+    minor runs it (CUDA minor-version compatibility, without PTX JIT): a warning, never a refusal;
+    only an older major version is refused."""
     if needed is None:
-        return "ok", "vLLM is not built for CUDA here"
+        return "ok", "the installed torch is not a CUDA build: no NVIDIA driver needed"
     want = f"{needed[0]}.{needed[1]}"
     if driver_cuda is None:
-        return "error", f"vLLM needs CUDA {want} but no NVIDIA driver answers (NVML not found)"
+        return "error", f"the installed torch is built for CUDA {want} but no NVIDIA driver answers (NVML not found)"
     have = (driver_cuda // 1000, (driver_cuda % 1000) // 10)
     got = f"{have[0]}.{have[1]}"
     if have[0] < needed[0]:
-        return "error", (f"NVIDIA driver supports CUDA {got}, the installed vLLM needs {want}: "
-                         "upgrade the driver (then `apt-mark hold` it)")
+        return "error", (f"NVIDIA driver supports CUDA {got}, the installed torch needs {want}: upgrade the "
+                         f"driver (then `apt-mark hold` it), or install a torch/vLLM built for CUDA {have[0]}.x "
+                         "(docs/GPU-INSTALL.md)")
     if have < needed:
-        return "warn", f"NVIDIA driver supports CUDA {got} < {want}: minor-version compatibility only (no PTX JIT)"
-    return "ok", f"driver CUDA {got} >= {want}"
+        return "warn", (f"NVIDIA driver supports CUDA {got} < {want} (torch's): minor-version compatibility "
+                        "only (no PTX JIT)")
+    return "ok", f"NVIDIA driver supports CUDA {got}, torch needs {want}"
 
 
-def torch_version(python: str) -> str:
-    """The torch version the vLLM child will import, without importing torch (fast)."""
-    code = "import importlib.metadata as m\ntry: print(m.version('torch'))\nexcept Exception: print('')"
+_TORCH_CODE = """import json
+try:
+    import torch
+    print(json.dumps([torch.__version__, torch.version.cuda]))
+except Exception as e:
+    import importlib.metadata as m
     try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return out.stdout.strip()
+        v = m.version("torch")
+    except Exception:
+        v = ""
+    print(json.dumps([v, "?"]))
+"""
+
+
+def torch_build(python: str) -> tuple[str, tuple[int, int] | None, bool]:
+    """(torch version, the CUDA it was built for, known) as the service's interpreter sees it:
+    `torch.version.cuda` when torch imports, else the wheel's `+cuXYZ` label."""
+    try:
+        out = subprocess.run([python, "-c", _TORCH_CODE], capture_output=True, text=True, timeout=180)
+        version, cuda = json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return "", None, False
+    if cuda == "?":  # torch is not importable: the wheel's label is all there is
+        label = cuda_of_torch(str(version))
+        return str(version), label, label is not None or str(version).endswith("+cpu")
+    return str(version), cuda_version(cuda), True
 
 
 def check_nvidia(python: str, gpus: list[str], report: Report) -> None:
-    """Driver new enough for vLLM's CUDA; the named GPUs exist; persistence mode (a warning)."""
-    needed = cuda_of_torch(torch_version(python))
+    """Driver new enough for the CUDA of the installed torch; the named GPUs exist; persistence
+    mode (a warning)."""
+    version, needed, known = torch_build(python)
     driver: int | None = None
     nvml_ok = False
     if pynvml is not None:
@@ -119,12 +151,18 @@ def check_nvidia(python: str, gpus: list[str], report: Report) -> None:
         except pynvml.NVMLError:
             nvml_ok = False
     try:
-        verdict, why = driver_verdict(driver, needed)
-        if verdict == "error":
-            raise PreflightError(why)
-        if verdict == "warn":
-            report.warnings.append(why)
-        report.notes.append(why)
+        if not known:
+            why = (f"cannot tell which CUDA {python}'s torch ({version or 'not installed'}) needs: "
+                   "the driver was not checked")
+            (report.warnings if nvml_ok or not version else report.notes).append(why)
+        else:
+            verdict, why = driver_verdict(driver, needed)
+            if verdict == "error":
+                raise PreflightError(why)
+            if verdict == "warn":
+                report.warnings.append(why)
+            else:
+                report.notes.append(why)
         if gpus and not nvml_ok:
             raise PreflightError(f"--gpus has value {','.join(gpus)!r}: no NVIDIA driver answers (NVML not found)")
         if nvml_ok:

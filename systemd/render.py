@@ -4,26 +4,38 @@ Templates use `@name@` placeholders (systemd itself owns `%i`, `$MAINPID`, `${VA
 placeholder left unrendered is a bug and raises. One template renders both the plain unit
 (`vllm-guard.service`) and the instance template (`vllm-guard@.service`), so the hardening is
 written once.
+
+Values that come from outside (the venv's path, the model's path in a comment, the docs URL) are
+written per systemd.syntax(7): a value with a control character is refused (a newline would
+start a new directive: `ExecStartPre=` from a crafted model path), an `ExecStart=` word that is
+not plain is quoted with `\\` and `"` escaped and `%` doubled (a specifier otherwise), `$`
+doubled in arguments (variable expansion otherwise), a URL percent-encoded.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import sys
+import urllib.parse
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from vllm_guard.core.config import InstallConfig
+from vllm_guard.core.config import GuardConfig, InstallConfig
+from vllm_guard.core.errors import UsageError
 
 ETC = "/etc/vllm-guard"
 UNIT_DIR = "/etc/systemd/system"
 SYSUSERS = "/etc/sysusers.d/vllm-guard.conf"
 _REPO_DOCS = Path(__file__).resolve().parent.parent / "docs" / "OPERATIONS.md"
-DOCS = f"file://{_REPO_DOCS}" if _REPO_DOCS.exists() else "man:systemd.service(5)"
+DOCS = f"file://{urllib.parse.quote(str(_REPO_DOCS))}" if _REPO_DOCS.exists() else "man:systemd.service(5)"
 _PLACEHOLDER = re.compile(r"@([a-z_]+)@")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_PLAIN_WORD = re.compile(r"^[A-Za-z0-9_@+=:,./-]+$")
+MULTILINE = ("device_allow", "ip_policy", "watchdog_ip_policy")  # built here from checked lines
 # The NVIDIA nodes by /proc/devices class: nvidia-frontend (major 195: /dev/nvidia0..N,
 # /dev/nvidiactl, modeset), nvidia-uvm, nvidia-caps (MIG). Absent classes are ignored by systemd.
 DEVICE_ALLOW = ("DeviceAllow=char-nvidia-frontend rw\nDeviceAllow=char-nvidia-uvm rw\n"
@@ -84,7 +96,58 @@ def substitute(text: str, ctx: dict[str, str]) -> str:
         if m.group(1) not in ctx:
             raise KeyError(f"template placeholder @{m.group(1)}@ has no value")
         return ctx[m.group(1)]
+    for key, value in ctx.items():
+        if key not in MULTILINE:
+            unit_value(key, value)
     return _PLACEHOLDER.sub(one, text)
+
+
+def unit_value(name: str, value: str) -> str:
+    """`value` if it can go into a unit file line; UsageError for a control character."""
+    if _CONTROL.search(value):
+        raise UsageError(f"{name} has value {value!r}: control characters (newline, tab, ...) cannot go "
+                         "into a systemd unit")
+    return value
+
+
+def exec_word(word: str, first: bool = False) -> str:
+    """One word of an `ExecStart=` line (systemd.syntax(7), systemd.service(5)): as is when plain,
+    else double-quoted with `\\` and `"` escaped; `%` doubled everywhere (specifiers), `$` doubled
+    in arguments (the executable path is not expanded)."""
+    unit_value("ExecStart", word)
+    if _PLAIN_WORD.match(word):
+        return word
+    escaped = word.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    if not first:
+        escaped = escaped.replace("$", "$$")
+    return f'"{escaped}"'
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def ip_policies(cfg: GuardConfig | None) -> tuple[str, str]:
+    """IPAddressAllow/Deny lines for the runtime and the watchdog: only loopback when nothing
+    they serve or call needs another address."""
+    deny = "IPAddressAllow=localhost\nIPAddressDeny=any"
+    if cfg is None:
+        return deny, deny
+    host = cfg.server.host
+    runtime = (f"# The public port is on loopback ({host}): no other address is reachable either way.\n{deny}"
+               if loopback(host) else
+               f"# No IP address policy: [server] host is {host}, clients come from the network.")
+    w = cfg.watchdog
+    why = ("its exporter listens on " + w.prometheus_addr if not loopback(w.prometheus_addr) else
+           "alerts go to a webhook" if w.alert_webhook else "an alert command runs" if w.alert_command else "")
+    watchdog = (f"# No IP address policy: {why}." if why else
+                f"# Exporter on loopback, no webhook: no other address is reachable either way.\n{deny}")
+    return runtime, watchdog
 
 
 def systemd_seconds(seconds: float) -> str:
@@ -100,11 +163,16 @@ def protect_home(paths: list[str]) -> tuple[str, str]:
 
 
 def base_context(settings: InstallConfig, bin_path: str, timeout_stop: float,
-                 extra_paths: list[str]) -> dict[str, str]:
+                 extra_paths: list[str], cfg: GuardConfig | None = None) -> dict[str, str]:
     """Placeholders shared by every unit (not those that depend on the instance)."""
+    for p in (bin_path, sys.prefix, sys.base_prefix, *extra_paths):
+        unit_value("a path the units name", p)
     ph, why = protect_home([bin_path, sys.prefix, sys.base_prefix, *extra_paths])
+    runtime_ip, watchdog_ip = ip_policies(cfg)
     return {
-        "bin": bin_path,
+        "ip_policy": runtime_ip,
+        "watchdog_ip_policy": watchdog_ip,
+        "bin": exec_word(bin_path, first=True),
         "docs": DOCS,
         "etc_dir": ETC,
         "user": settings.user,

@@ -127,7 +127,9 @@ def test_a_ledger_that_cannot_be_read_is_one_line_and_nothing_starts(tmp_path: P
     state = tmp_path / "state"
     state.mkdir()
     (state / "ledger.sqlite").write_bytes(b"this is not an SQLite file" * 100)
-    r = run("serve", "--state-dir", str(state), "--port", str(free_port()), "--model", "/nonexistent")
+    model = tmp_path / "model"  # exists (a missing model path is refused before the ledger is read)
+    model.mkdir()
+    r = run("serve", "--state-dir", str(state), "--port", str(free_port()), "--model", str(model))
     assert r.returncode == 1, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "ledger" in lines[0], lines

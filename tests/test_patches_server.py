@@ -133,12 +133,16 @@ class TestAudited:
         for pid, r in live.items():
             assert children.get(pid) == r["process"], (pid, r["process"], children)
             assert r["vllm_version"] == st["vllm_version"]
-            assert set(r["patches"]) == {"kv-block-audit", "idle-release", "allocator-settings", "fault-injection"}
+            assert set(r["patches"]) == {"kv-block-audit", "idle-release", "allocator-settings", "fault-injection",
+                                         "add-request-abort", "block-ids-drain"}
             for p in r["patches"].values():
                 assert p["state"] in ("applied", "skipped", "failed") and p["reason"]
         by_role = {r["process"]: r["patches"] for r in live.values()}
         assert by_role["engine_core"]["kv-block-audit"]["state"] == "applied"
         assert by_role["engine_core"]["fault-injection"]["state"] == "applied"
+        assert by_role["api_server"]["add-request-abort"]["state"] == "applied"
+        assert by_role["engine_core"]["block-ids-drain"]["state"] == "skipped"  # 0.32.0 has vLLM's own fix
+        assert "carries the upstream fix" in by_role["engine_core"]["block-ids-drain"]["reason"]
         assert "INJECTING" in by_role["engine_core"]["fault-injection"]["reason"]
         assert all(by_role[role]["idle-release"]["state"] == "applied" for role in ROLES)
         assert by_role["api_server"]["kv-block-audit"]["state"] == "skipped"

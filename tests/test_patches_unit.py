@@ -163,7 +163,11 @@ def test_patches_list_json_equals_committed_table() -> None:
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == json.loads(committed.read_text())
-    assert all(p["state"] == "applies" for p in json.loads(r.stdout)["patches"])
+    rows = {p["id"]: p for p in json.loads(r.stdout)["patches"]}
+    assert all(p["state"] == "applies" for k, p in rows.items() if k != "block-ids-drain")
+    # 0.32.0 carries vLLM's own fix (#44490): the drain is skipped, and says why.
+    assert rows["block-ids-drain"]["state"] == "skipped"
+    assert "carries the upstream fix" in rows["block-ids-drain"]["reason"]
 
 
 def _copy_tree(dst: Path) -> Path:
@@ -183,7 +187,7 @@ def test_renamed_attribute_in_a_copy_of_the_tree_skips_only_its_patches(tmp_path
     from vllm_guard.patches.cli import table
 
     root = _copy_tree(tmp_path)
-    assert [p["state"] for p in table(root)["patches"]] == ["applies"] * len(defs.ALL)
+    assert [p["state"] for p in table(root)["patches"] if p["id"] != "block-ids-drain"] == ["applies"] * (len(defs.ALL) - 1)
     f = root / "v1" / "core" / "single_type_kv_cache_manager.py"
     f.write_text(f.read_text().replace("req_to_blocks", "blocks_by_request"))
     registry._parse.cache_clear()
@@ -191,6 +195,24 @@ def test_renamed_attribute_in_a_copy_of_the_tree_skips_only_its_patches(tmp_path
     assert rows["kv-block-audit"]["state"] == "skipped"
     assert "SingleTypeKVCacheManager has no attribute(s) req_to_blocks" in rows["kv-block-audit"]["reason"]
     assert rows["idle-release"]["state"] == "applies"
+
+
+@needs_vllm
+def test_a_tree_without_the_upstream_fix_gets_the_block_ids_drain(tmp_path: Path) -> None:
+    """The drain is gated by shape: names that came with vLLM's own fix mean "not needed"."""
+    from vllm_guard.patches.cli import table
+
+    root = _copy_tree(tmp_path)
+    for rel, names in (("v1/core/sched/scheduler.py", ("_get_new_block_ids_to_zero",)),
+                       ("v1/core/single_type_kv_cache_manager.py", ("records_new_block_ids", "_record_new_block_ids"))):
+        f = root / rel
+        text = f.read_text()
+        for n in names:
+            text = text.replace(n, n.strip("_") + "_renamed_for_test")
+        f.write_text(text)
+    registry._parse.cache_clear()
+    rows = {p["id"]: p for p in table(root)["patches"]}
+    assert rows["block-ids-drain"]["state"] == "applies", rows["block-ids-drain"]["reason"]
 
 
 @needs_vllm
@@ -320,9 +342,13 @@ def test_register_reports_a_valid_patch_process_report_per_role(tmp_path: Path, 
             assert rep.details["fault-injection"]["spec"] == {"block_leak_every": 4, "host_leak_mb_per_request": 0.5}
             assert rep.details["kv-block-audit"]["runs"] == 0
         assert rep.inject == {"block_leak_every": 4.0, "host_leak_mb_per_request": 0.5}
+        assert states["block-ids-drain"] == "skipped"  # 0.32.0 carries vLLM's own fix, or no vLLM
     else:
         assert rep.patches["kv-block-audit"].reason == "not in this process (runs in engine_core)"
+        assert rep.patches["block-ids-drain"].reason == "not in this process (runs in engine_core)"
         assert rep.patches["fault-injection"].state == "skipped"
+    if role == "api_server":
+        assert states["add-request-abort"] == ("applied" if VLLM_ROOT else "skipped")
     if VLLM_ROOT and role != "engine_core":
         assert rep.details["idle-release"]["after_s"] == 60
 

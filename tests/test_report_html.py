@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,13 +18,14 @@ from matplotlib import image as mpimg
 
 from conftest import GUARD, ROOT
 from vllm_guard.core import ledger as L
-from vllm_guard.core.samples import HostReading, NvmlRecord
+from vllm_guard.core.samples import HostReading, NvmlRecord, ProcReading, StatusBrief
 from vllm_guard.core.timefmt import iso
 from vllm_guard.loadgen.params import SoakParams
 from vllm_guard.loadgen.store import MemoryRow, RequestRow, SoakStore
 
 BASE = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=2)
 MPL_COLORS = {"tab:blue": (31, 119, 180), "tab:orange": (255, 127, 14), "tab:red": (214, 39, 40)}
+PRICES = ROOT / "docs" / "examples" / "prices-field-report.toml"
 
 
 def _iso(s: float) -> str:
@@ -40,18 +42,30 @@ def make_ledger(path: Path, gpu: str, leak_mb: float) -> None:
                  "VALUES (2, ?, ?, 'b', ?, 'tiny')", (_iso(3610), _iso(3660), gpu))
     conn.execute("INSERT INTO recycles (generation, trigger, class, started_at, in_flight, duration_s) "
                  "VALUES (1, 'max_requests', 'scheduled', ?, 2, 60)", (_iso(3590),))
+    conn.execute("INSERT INTO failures (generation, kind, class, at, exit_code, detail, restored_at) "
+                 "VALUES (2, 'crash', 'unplanned', ?, -9, 'engine process died', ?)", (_iso(6000), _iso(6060)))
     rng = np.random.default_rng(0)
     host = HostReading(mem_total_mb=64000.0, mem_available_mb=50000.0, swap_used_mb=0.0)
     for i in range(240):  # one watchdog tick per 30 s, one row per source, records of core.samples
         t = 30.0 * i
         at = _iso(t)
         hot = 0x20 if 4000 < t < 5000 else 0
+        gen = 1 if t < 3600 else 2
+        req = max(0, int((t - (60 if gen == 1 else 3660)) / 4.7))
+        pid = 100 + gen
         nvml = NvmlRecord.model_validate({"at_s": (BASE + dt.timedelta(seconds=t)).timestamp(), "gpus": [{
             "index": 0, "uuid": "GPU-1", "name": gpu, "temp_c": 60 + 20 * (hot > 0) + rng.normal(0, 1),
             "sm_clock_mhz": 1980 - 300 * (hot > 0), "sm_clock_max_mhz": 1980, "clock_reasons": hot,
-            "processes": [{"pid": 100 + (t > 3600), "used_mb": 900.0}]}]})
-        for src, rec in (("nvml", nvml), ("host", host)):
+            "power_w": 300.0 + 50 * (hot > 0), "mem_total_mb": 81559.0, "mem_used_mb": 40000.0 + 0.1 * req,
+            "processes": [{"pid": pid, "used_mb": 30000.0 + 0.1 * req}]}]})
+        procs = {str(pid): ProcReading.model_validate({"role": "engine_core", "rss_mb": 700 + leak_mb * req
+                                                       + rng.normal(0, 1)})}
+        status = StatusBrief(state="serving", generation=gen, requests_total=req, requests_generation=req,
+                             in_flight=0, queued=0, failures=0, completed=req + 750 * (gen - 1))
+        for src, rec in (("nvml", nvml), ("host", host), ("status", status)):
             conn.execute("INSERT INTO samples (at, source, data) VALUES (?, ?, ?)", (at, src, rec.model_dump_json()))
+        conn.execute("INSERT INTO samples (at, source, data) VALUES (?, 'procs', ?)",
+                     (at, json.dumps({k: v.model_dump(mode="json") for k, v in procs.items()})))
     conn.close()
     store = SoakStore(path)
     params = SoakParams(url="http://x", model="tiny", max_model_len=512, scenario="S1", prompt_tokens=16,
@@ -83,38 +97,104 @@ def report(*args: str) -> str:
     return out.stdout
 
 
-def screenshot(html: Path, png: Path, tmp: Path) -> np.ndarray:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert browser, "chromium not installed (apt-get install -y chromium): this test needs a real browser"
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-           "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp / 'chrome-profile'}",
-           "--hide-scrollbars", "--window-size=1200,4200", f"--screenshot={png}", html.as_uri()]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert png.exists(), f"no screenshot: rc={out.returncode} {out.stderr[-2000:]}"
-    img = mpimg.imread(str(png))
-    return (img[..., :3] * 255).round().astype(int) if img.dtype != np.uint8 else img[..., :3].astype(int)
-
-
 def color_pixels(img: np.ndarray, rgb: tuple[int, int, int]) -> int:
     return int((np.abs(img - np.array(rgb)).sum(axis=2) <= 12).sum())
 
 
-def test_html_plots_render_in_headless_chromium(tmp_path: Path) -> None:
+PROBE = """<script>
+window.addEventListener("load", () => {
+  const v = document.getElementById("verdict");
+  const r = v.getBoundingClientRect();
+  const plots = [...document.querySelectorAll("img.plot")].map(i => {
+    const b = i.getBoundingClientRect();
+    return {alt: i.alt, w: i.naturalWidth, h: i.naturalHeight, shown_w: b.width, top: b.top};
+  });
+  const out = document.createElement("pre");
+  out.id = "probe";
+  out.textContent = JSON.stringify({verdict: v.innerText, verdict_top: r.top, verdict_bottom: r.bottom,
+                                    plots: plots, missing: [...document.querySelectorAll(".plot-missing")]
+                                    .map(p => p.innerText)});
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def seen(page: Path, tmp: Path) -> dict[str, Any]:
+    """What a reader's browser lays out: the verdict's text and place, each plot's size. A copy of
+    the page gets a probe script (the report itself has none); Chromium runs it and dumps the DOM."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert browser, "chromium not installed (apt-get install -y chromium): this test needs a real browser"
+    probed = tmp / ("probed-" + page.name)
+    probed.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp / 'chrome-profile'}",
+           "--window-size=1200,900", "--virtual-time-budget=5000", "--dump-dom", probed.as_uri()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    m = re.search(r'<pre id="probe">(.*?)</pre>', out.stdout, re.S)
+    assert m, f"no probe output: rc={out.returncode} {out.stderr[-2000:]}"
+    return dict(json.loads(html_unescape(m.group(1))))
+
+
+def html_unescape(text: str) -> str:
+    import html
+
+    return html.unescape(text)
+
+
+def plot_images(page: Path) -> list[np.ndarray]:
+    """The embedded PNGs, decoded (RGB 0-255)."""
+    import base64
+    import io
+
+    out = []
+    for b64 in re.findall(r'<img class="plot"[^>]*src="data:image/png;base64,([^"]+)"', page.read_text()):
+        img = mpimg.imread(io.BytesIO(base64.b64decode(b64)), format="png")
+        out.append((img[..., :3] * 255).round().astype(int))
+    return out
+
+
+def test_a_reader_sees_the_verdict_first_and_four_drawn_plots(tmp_path: Path) -> None:
     db = tmp_path / "a.sqlite"
-    make_ledger(db, "NVIDIA H200", 0.2)
+    make_ledger(db, "NVIDIA A100-SXM4-80GB", 0.2)  # the price file's A100 box
     page = tmp_path / "report.html"
-    report("--db", str(db), "--format", "html", "--out", str(page))
+    report("--db", str(db), "--format", "html", "--out", str(page), "--prices", str(PRICES))
     text = page.read_text()
     assert "<script" not in text and "http://" not in text.replace("http://x", "")  # self-contained
-    assert text.count('class="plot"') == 3
-    blank = tmp_path / "blank.html"
-    blank.write_text(re.sub(r'<img class="plot"[^>]*>', "", text))
-    shot = screenshot(page, tmp_path / "report.png", tmp_path)
-    empty = screenshot(blank, tmp_path / "blank.png", tmp_path)
-    assert shot.std() > 20  # not a blank page
-    for name, rgb in MPL_COLORS.items():  # the lines and points of the plots, drawn by the browser
-        assert color_pixels(shot, rgb) > 300, name
-        assert color_pixels(empty, rgb) < 20, name
+    v = seen(page, tmp_path)
+    verdict = v["verdict"]
+    assert v["verdict_top"] < 200 and v["verdict_bottom"] < 900, v  # on the first screen
+    for says in ("MTBF 1.97 h (90 % interval", "planned downtime (recycles) 60 s", "Leak EngineCore host RSS: +20 MB/100",
+                 "Leak EngineCore GPU: +10 MB/100", "out of memory in", "SLA: ", "interactive", "TTFT p50",
+                 "throttled 13.8 %", "clock drop 15.2 %", "output tokens/kWh", "/M tokens", "3-year TCO"):
+        assert says in verdict, (says, verdict)
+    alts = [p["alt"] for p in v["plots"]]
+    assert alts == ["GPU memory per process", "host memory per process", "latency over time",
+                    "GPU temperature and clocks"], alts
+    assert not v["missing"]
+    for p in v["plots"]:
+        assert p["w"] >= 800 and p["h"] >= 250 and p["shown_w"] >= 800, p  # decoded and laid out full width
+    imgs = plot_images(page)
+    for img, alt, color in zip(imgs, alts, ("tab:orange", "tab:orange", "tab:blue", "tab:red")):
+        inked = (img.sum(axis=2) < 600).mean()
+        assert inked > 0.02, (alt, inked)  # more than a frame: lines and points were drawn
+        assert color_pixels(img, MPL_COLORS[color]) > 100, (alt, color)
+    widths = {img.shape[1] for img in imgs}
+    assert len(widths) == 1  # one size, one margin: the time axes line up
+
+
+def test_compare_page_answers_first(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    make_ledger(a, "NVIDIA GeForce RTX 4090", 0.3)
+    make_ledger(b, "NVIDIA A100-SXM4-80GB", 0.1)
+    page = tmp_path / "c.html"
+    report("--compare", str(a), str(b), "--format", "html", "--out", str(page), "--prices", str(PRICES))
+    v = seen(page, tmp_path)
+    first = v["verdict"].splitlines()[0]
+    assert first.startswith("B (NVIDIA A100-SXM4-80GB) is better"), first
+    assert "leak engine_core host RSS: B grows slower (significant" in v["verdict"]
+    assert "unplanned failures: no significant difference" in v["verdict"]
+    assert v["verdict_top"] < 200
+    assert len(v["plots"]) == 8 and all(p["w"] >= 800 for p in v["plots"])
 
 
 def test_json_keeps_every_documented_key(tmp_path: Path) -> None:
@@ -122,7 +202,9 @@ def test_json_keeps_every_documented_key(tmp_path: Path) -> None:
     make_ledger(db, "NVIDIA H200", 0.2)
     f = json.loads(report("--db", str(db), "--format", "json"))
     doc = (ROOT / "docs" / "REPORTS.md").read_text()
-    keys = re.findall(r"^\| `([a-z0-9_.\[\]]+)` \|", doc, re.M)
+    section = doc[doc.index("### JSON keys"):]
+    section = section[:section.index("\n### ", 5)]
+    keys = re.findall(r"^\| `([a-z0-9_.\[\]]+)` \|", section, re.M)
     assert len(keys) > 40
     for key in keys:
         cur = f
@@ -148,9 +230,7 @@ def test_compare_two_ledgers_side_by_side(tmp_path: Path) -> None:
     c = json.loads(report("--compare", str(a), str(b), "--format", "json"))
     leak = next(r for r in c["rows"] if r["figure"] == "leak engine_core rss_mb MB/100req")
     assert leak["a"] == pytest.approx(30.0, rel=0.05) and leak["b"] == pytest.approx(10.0, rel=0.05)
-    page = tmp_path / "c.html"
-    report("--compare", str(a), str(b), "--format", "html", "--out", str(page))
-    assert page.read_text().count('class="plot"') == 6
+    assert c["verdict"]["overall"].startswith("B (NVIDIA A100-SXM4-80GB) is better")
 
 
 def test_compare_labels_budgets_emulated_on_one_gpu_by_profile(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 from vllm_guard import cli
 from vllm_guard.core import config as C
 from vllm_guard.core.errors import ConfigError
+from vllm_guard.systemd import config_file as F
 
 VG = str(Path(sys.prefix) / "bin" / "vllm-guard")
 UNITS = ("vllm-guard.service", "vllm-guard@.service", "vllm-guard-watchdog.service",
@@ -142,7 +143,7 @@ def test_reinstall_keeps_edited_config_and_uninstall_keeps_the_ledger(tmp_path: 
     conf.write_text(conf.read_text().replace("port = 23995", "port = 23994"))
     assert install(root).returncode == 0
     assert C.load(conf).server.port == 23994  # an operator's edit survives a re-install (upgrade)
-    conf.write_text(conf.read_text() + "\n[recycle]\nmax_requests = 77\n")
+    conf.write_text(conf.read_text().replace("\nmax_requests = 0\n", "\nmax_requests = 77\n"))
     assert install(root, "--port", "23993").returncode == 0  # a flag rewrites it, other keys kept
     assert C.load(conf).server.port == 23993 and C.load(conf).recycle.max_requests == 77
     ledger = root / "var/lib/vllm-guard/ledger.sqlite"
@@ -208,7 +209,7 @@ def test_a_bad_installed_config_stops_a_reinstall(tmp_path: Path, model_dir: Pat
     root = tmp_path / "root"
     assert install(root, "--model", str(model_dir), "--port", "23992").returncode == 0
     conf = root / "etc/vllm-guard/guard.toml"
-    conf.write_text(conf.read_text() + '\n[watchdog]\nintervall = "1s"\n')
+    conf.write_text(conf.read_text().replace("[watchdog]\n", '[watchdog]\nintervall = "1s"\n'))
     before = conf.read_text()
     r = install(root, "--port", "23991")
     assert r.returncode == 2 and "[watchdog] intervall is not a known key" in r.stderr
@@ -228,10 +229,14 @@ def test_written_config_keeps_every_section_and_long_durations(tmp_path: Path, m
     assert r.returncode == 0, r.stderr
     written = root / "etc/vllm-guard/guard.toml"
     cfg, src = C.load(written), C.load(base)
-    for section in ("recycle", "watchdog", "patches", "inject", "soak"):
+    for section in ("watchdog", "patches", "inject", "soak"):
         assert getattr(cfg, section) == getattr(src, section), section
         assert cfg.explicit[section] == src.explicit[section], section
-    assert cfg.recycle.max_uptime == 14 * 86400 and 'max_uptime = "1209600s"' in written.read_text()
+    # [recycle]: the base's keys, and a GPU box's memory-growth triggers for the keys it left out
+    assert (cfg.recycle.max_requests, cfg.recycle.max_uptime) == (500, 14 * 86400)
+    assert cfg.recycle.max_host_rss_growth_mb == 4096 and cfg.recycle.max_gpu_memory_growth_mb == 1024
+    assert cfg.explicit["recycle"] == src.explicit["recycle"] | set(F.GPU_BOX_RECYCLE)
+    assert cfg.recycle.max_uptime == 14 * 86400 and 'max_uptime = "14d"' in written.read_text()
     assert cfg.server.vllm_args == ["--max-model-len", "4096"] and cfg.server.port == 23990
     assert "probe" not in cfg.explicit  # sections the base did not set are not written
 

@@ -244,12 +244,7 @@ class Watchdog:
 
     def _record(self, s: Sample, results: list[CheckResult]) -> None:
         st = s.status
-        brief = None if st is None else StatusBrief(
-            state=st.state.value, generation=st.generation, requests_total=st.requests.total,
-            requests_generation=st.requests.generation, in_flight=st.requests.in_flight,
-            queued=st.requests.queued, failures=st.failures, hold=st.hold, backend_url=st.backend_url,
-            completed=st.requests.completed, failed=st.requests.failed,
-            client_disconnects=st.requests.client_disconnects)
+        brief = None if st is None else StatusBrief.from_snapshot(st)
         self.ledger.sample(nvml=s.nvml if s.nvml is not None and s.nvml.gpus else None, procs=s.procs or None,
                            host=s.host, metrics=s.metrics, status=brief,
                            verdicts={r.name: r.health.value for r in results})

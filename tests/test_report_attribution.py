@@ -1,0 +1,157 @@
+"""Leak attribution: the report names the kind of request that makes a process grow.
+
+The maths on ticks with known per-request costs (API server: cancelled requests; EngineCore:
+completed ones), then on a real ledger: the runtime with an injected EngineCore host leak per
+finished request, the watchdog recording memory and the runtime's counters, load with
+completions and client cancellations. The report must name completed requests with the
+injected cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import GUARD_CMD
+from vllm_guard.core.samples import Tick
+from vllm_guard.report.attribution import attribution_report, headline
+
+BASE_S = 1_767_225_600  # 2026-01-01T00:00:00Z
+
+
+def _at(s: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(BASE_S + s, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def synthetic_ticks(seed: int = 0, n: int = 400, gens: int = 2) -> list[Tick]:
+    """API server: +0.31 MB per cancelled request; EngineCore: +0.2 MB per completed one and
+    nothing per cancelled; allocator noise and a rare 8 MB step on both."""
+    rng = np.random.default_rng(seed)
+    ticks = []
+    done = cancelled = failed = 0
+    t = 0.0
+    for g in range(1, gens + 1):
+        api, eng = 300.0, 700.0
+        for _ in range(n):
+            t += 1.0
+            dc, dx, df = rng.poisson(3), rng.poisson(1), rng.poisson(0.1)
+            done, cancelled, failed = done + dc, cancelled + dx, failed + df
+            api += 0.31 * dx + rng.normal(0, 0.3) + 8 * (rng.random() < 0.01)
+            eng += 0.2 * dc + rng.normal(0, 0.3) + 8 * (rng.random() < 0.01)
+            ticks.append(Tick.from_sources(_at(t), {
+                "procs": {str(100 * g): {"role": "api_server", "rss_mb": api},
+                          str(100 * g + 1): {"role": "engine_core", "rss_mb": eng}},
+                "status": {"state": "serving", "generation": g, "requests_total": done + cancelled + failed,
+                           "requests_generation": 0, "in_flight": 0, "queued": 0, "failures": 0,
+                           "completed": done, "failed": failed, "client_disconnects": cancelled},
+            }))
+        t += 60.0  # the recycle
+    return ticks
+
+
+def test_names_the_cause_per_process_with_its_cost() -> None:
+    rep = attribution_report(synthetic_ticks(), 0.90)
+    by = {(p["role"], p["metric"]): p for p in rep["processes"]}
+    api, eng = by[("api_server", "rss_mb")], by[("engine_core", "rss_mb")]
+    assert api["cause"] == "cancelled" and eng["cause"] == "completed"
+    c = {f["feature"]: f for f in api["features"]}
+    assert c["cancelled"]["low"] <= 0.31 <= c["cancelled"]["high"]
+    assert not c["completed"]["significant"]  # the API server does not grow per completed request
+    e = {f["feature"]: f for f in eng["features"]}
+    assert e["completed"]["low"] <= 0.2 <= e["completed"]["high"] and not e["cancelled"]["significant"]
+    line = headline("api_server", "rss_mb", api)
+    assert line.startswith("API server RSS: +0.3") and "per cancelled request [" in line and "completed: 0" in line
+    assert rep["counters_missing"] == ["prompt_tokens", "output_tokens", "streamed"]
+    assert any(x.startswith("EngineCore RSS: +0.2") for x in rep["lines"])
+
+
+def test_no_growth_names_nothing_and_lockstep_counters_are_left_out() -> None:
+    ticks = []
+    for i in range(100):
+        ticks.append(Tick.from_sources(_at(i), {
+            "procs": {"5": {"role": "engine_core", "rss_mb": 700.0 + (0.5 if i % 7 == 0 else 0.0)}},
+            "status": {"state": "serving", "generation": 1, "requests_total": 3 * i, "requests_generation": 3 * i,
+                       "in_flight": 0, "queued": 0, "failures": 0, "completed": 3 * i, "failed": 0,
+                       "client_disconnects": 0},
+        }))
+    p = attribution_report(ticks)["processes"][0]
+    assert p["cause"] is None
+    assert any(x.startswith("cancelled: never changed") for x in p["left_out"])
+    assert any("collinear" in x for x in p["left_out"])  # 3 per second: completed moves with time
+    assert attribution_report([])["present"] is False
+
+
+# -- on real vLLM -------------------------------------------------------------------------------
+LEAK_MB = 0.25
+
+
+async def _load(url: str, n: int, cancel_every: int) -> None:
+    """`n` short completions, 4 at a time; every `cancel_every`-th is a stream the client closes
+    after its first chunk (a client disconnect)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        todo = iter(range(n))
+
+        async def worker() -> None:
+            for i in todo:
+                cancel = i % cancel_every == 0
+                body = {"model": model, "prompt": f"hello {i}", "max_tokens": 48 if cancel else 3,
+                        "temperature": 0, "stream": cancel, "ignore_eos": cancel}
+                async with s.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=600)) as r:
+                    assert r.status == 200, await r.text()
+                    if cancel:
+                        async for _ in r.content:
+                            break
+                    else:
+                        await r.read()
+                await asyncio.sleep(random.uniform(0.0, 0.3))
+
+        await asyncio.gather(*(worker() for _ in range(4)))
+
+
+@pytest.mark.slow
+def test_real_injected_engine_leak_is_attributed_to_completed_requests(guard_factory: Any, tmp_path: Path) -> None:
+    srv = guard_factory(env={"VLLM_GUARD_INJECT": f"host_leak_mb_per_request={LEAK_MB}"})
+    srv.wait_serving()
+    cfg = tmp_path / "watchdog.toml"
+    cfg.write_text('[watchdog]\ninterval = "0.5s"\nkernel = "off"\nprometheus_port = 0\ndry_run = true\n')
+    log = open(tmp_path / "watchdog.log", "ab")
+    wd = subprocess.Popen([*GUARD_CMD, "watchdog", "--config", str(cfg), "--state-dir", str(srv.state_dir)],
+                          stdout=log, stderr=log)
+    try:
+        time.sleep(5)
+        asyncio.run(_load(srv.url, 900, cancel_every=5))
+        time.sleep(3)
+    finally:
+        wd.terminate()
+        wd.wait(60)
+        log.close()
+    st = srv.status()
+    assert st["requests"]["client_disconnects"] >= 100, st["requests"]
+    out = subprocess.run([*GUARD_CMD, "report", "--db", str(srv.state_dir), "--format", "json"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    f = json.loads(out.stdout)
+    eng = next(p for p in f["attribution"]["processes"] if p["role"] == "engine_core" and p["metric"] == "rss_mb")
+    feats = {x["feature"]: x for x in eng["features"]}
+    print(json.dumps(feats, indent=1), f["attribution"]["lines"])
+    assert eng["cause"] == "completed", eng
+    c = feats["completed"]
+    assert c["low"] <= LEAK_MB * 1.25 and c["high"] >= LEAK_MB * 0.75 and abs(c["mb_per_unit"] - LEAK_MB) < 0.25 * LEAK_MB
+    assert any(x.startswith("EngineCore RSS: +0.2") and "per completed request" in x for x in f["attribution"]["lines"])
+    text = subprocess.run([*GUARD_CMD, "report", "--db", str(srv.state_dir)], capture_output=True, text=True,
+                          timeout=600).stdout
+    assert "Leak cause: EngineCore RSS:" in text.split("SERVICE")[0]  # in the verdict, first screen
