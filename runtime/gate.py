@@ -25,7 +25,7 @@ import asyncio
 import json
 import resource
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import structlog
 
@@ -70,8 +70,8 @@ class Conn(asyncio.Protocol):
 
     # asyncio.Protocol, delegated to aiohttp's handler once admitted
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's TCPTransport (the runtime's loop when installed) is a Transport in all but class
+        self.transport = cast(asyncio.Transport, transport)
         if not self.gate.admit(self):
             return
         self.inner = self._make_inner()
