@@ -244,3 +244,18 @@ def test_bad_gpu_lists_are_one_config_error() -> None:
         cfg_with(gpus=["zero"])
     with pytest.raises(ConfigError, match="NVML sees no GPU"):
         replicas.plan(cfg_with(gpus=["0"]), [], {})
+
+
+def test_metrics_per_replica(tmp_path: object) -> None:
+    from vllm_guard.core.protocol import ReplicaStatus, RuntimeState, StatusSnapshot
+    from vllm_guard.runtime.metrics import LedgerView, RuntimeCollector
+
+    st = StatusSnapshot(state=RuntimeState.SERVING, state_for_s=1.0, generation=7, pid=1, port=8000, model="m",
+                        replicas=[ReplicaStatus(index=0, state=RuntimeState.SERVING, generation=7, in_flight=3),
+                                  ReplicaStatus(index=1, state=RuntimeState.STARTING, generation=6,
+                                                next_generation=8, recycle_strategy="overlap")])
+    c = RuntimeCollector(lambda: st, LedgerView(f"{tmp_path}/none"))
+    got = {(s.name, tuple(sorted(s.labels.items())), s.value) for fam in c.collect() for s in fam.samples}
+    assert ("vllm_guard_runtime_replica_in_flight", (("replica", "0"),), 3.0) in got
+    assert ("vllm_guard_runtime_replica_serving", (("replica", "1"),), 0.0) in got
+    assert ("vllm_guard_runtime_replica_successor", (("replica", "1"), ("strategy", "overlap")), 1.0) in got
