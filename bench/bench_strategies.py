@@ -140,8 +140,10 @@ class Guard:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = self.state / "guard.log"
-        cmd = [*GUARD, "serve", "--model", model, "--port", str(self.port), "--state-dir", str(self.state),
-               "--probe-interval", "30s", *args, "--", *vllm_args]
+        conf = self.state / "guard.toml"
+        conf.write_text("[server]\nmetrics_port = 0\n")  # several guards at once: no metrics port to share
+        cmd = [*GUARD, "serve", "--config", str(conf), "--model", model, "--port", str(self.port),
+               "--state-dir", str(self.state), "--probe-interval", "30s", *args, "--", *vllm_args]
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env},
                                          start_new_session=True)
