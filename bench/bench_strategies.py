@@ -350,7 +350,9 @@ async def cpu(a: argparse.Namespace) -> None:
     deadline = time.monotonic() + a.deadline
     for name in a.scenarios.split(","):
         strategy = None if name == "none" else "overlap" if name == "replicas2" else name
-        p = Plan(name, strategy, replicas=2 if name == "replicas2" else 1, recycles=a.recycles, rate=a.rate,
+        reps = 2 if name == "replicas2" else 1
+        # an admin recycle recycles every replica in turn: ceil(recycles / replicas) commands
+        p = Plan(name, strategy, replicas=reps, recycles=-(-a.recycles // reps), rate=a.rate,
                  hold_s=a.hold, settle_s=a.settle)
         await scenario(p, root, model, CPU_VLLM, CPU_ENV, a.max_tokens, deadline, out, save)
     out["finished"] = time.strftime("%FT%TZ", time.gmtime())
