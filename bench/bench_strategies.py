@@ -237,6 +237,7 @@ class Plan:
     baseline_s: float = 0.0  # a recycle-free window of load before the first recycle
     hold_s: float = 60.0  # `none`: how long the load runs
     settle_s: float = 10.0  # load between recycles and after the last one
+    recycle_s: float = 150.0  # about how long one recycle takes (no recycle starts later than this before the deadline)
 
 
 async def scenario(p: Plan, root: Path, model: str, vllm_args: list[str], env: dict[str, str], max_tokens: int,
@@ -264,7 +265,7 @@ async def scenario(p: Plan, root: Path, model: str, vllm_args: list[str], env: d
             t_first = time.monotonic()
             for i in range(p.recycles):
                 left = deadline - time.monotonic()
-                if left < 30:
+                if left < p.recycle_s:  # it would not finish in time
                     res["cut"] = f"deadline: {i} of {p.recycles} recycles done"
                     break
                 res["recycles"].append(await g.recycle(left))
@@ -380,9 +381,9 @@ async def gpu(a: argparse.Namespace) -> None:
     root = Path(a.work)
     vargs = [*GPU_VLLM, "--tokenizer", a.tokenizer]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0", "TOKENIZERS_PARALLELISM": "false"}
-    plans = [Plan("cold", "cold", recycles=1, rate=1.0, settle_s=5),
-             Plan("gated", "gated", recycles=2, rate=1.0, settle_s=5),
-             Plan("overlap", "overlap", recycles=2, rate=a.rate, baseline_s=40, settle_s=10)]
+    plans = [Plan("cold", "cold", recycles=1, rate=1.0, settle_s=5, recycle_s=100),
+             Plan("gated", "gated", recycles=2, rate=1.0, settle_s=5, recycle_s=100),
+             Plan("overlap", "overlap", recycles=2, rate=a.rate, baseline_s=40, settle_s=10, recycle_s=100)]
     await asyncio.gather(*(scenario(p, root, a.model, vargs, env, a.max_tokens, deadline, out, save,
                                     start_timeout=300) for p in plans))
     out["finished"] = time.strftime("%FT%TZ", time.gmtime())
@@ -400,7 +401,7 @@ def main() -> None:
     c.add_argument("--max-tokens", type=int, default=16)
     c.add_argument("--hold", type=float, default=240.0, help="seconds of load for `none`")
     c.add_argument("--settle", type=float, default=10.0)
-    c.add_argument("--deadline", type=float, default=7200.0)
+    c.add_argument("--deadline", type=float, default=1500.0, help="seconds for the whole run")
     c.add_argument("--work", default="/tmp/bench-strategies")
     c.add_argument("--out", required=True)
     g = sub.add_parser("gpu")
