@@ -109,6 +109,14 @@ def _gpu_list(v: list[str]) -> str | None:
     return f"{bad[0]!r} is not a GPU UUID (GPU-..., MIG-...)" if bad else None
 
 
+def _gpu_selectors(v: list[str]) -> str | None:
+    bad = [g for g in v if not (g.isdigit() or _GPU_UUID.match(g))]
+    return f"{bad[0]!r} is not a GPU index (0, 1, ...) or UUID (GPU-..., MIG-...)" if bad else None
+
+
+RECYCLE_STRATEGIES = ("auto", "overlap", "gated", "cold")
+
+
 def _kernel_source(v: str) -> str | None:
     if v in ("auto", "kmsg", "journal", "off") or v.startswith(("/", ".")):
         return None
@@ -160,6 +168,13 @@ class ServerConfig:
     header_timeout: Duration = _f(Duration(10.0), gt=0, max=3600)
     idle_timeout: Duration = _f(Duration(75.0), gt=0, max=86400)
     max_connections: int = _f(0, min=0, max=1_000_000)
+    # -- recycling without a stall, replicas (docs/RUNTIME.md "Recycle strategies") --
+    # auto: overlap when two generations fit in memory, else gated pre-start (GPU), else cold
+    recycle_strategy: str = _f("auto", choices=RECYCLE_STRATEGIES)
+    overlap_margin_mb: float = _f(1024.0, min=0)  # headroom kept beyond a second generation's footprint
+    gate_timeout: Duration = _f(Duration(300.0), gt=0)  # a gated next generation must reach its gate by then
+    replicas: int = _f(1, min=1, max=64)  # vLLM servers behind the one proxy (one per GPU or TP group)
+    gpus: list[str] = _f([], check=_gpu_selectors)  # GPU indexes or UUIDs, one replica per GPU / TP group
 
 
 @dataclass
@@ -256,7 +271,7 @@ class SoakConfig:
 
 
 PATCH_IDS = ("kv-block-audit", "idle-release", "allocator-settings", "fault-injection", "add-request-abort",
-             "block-ids-drain")
+             "block-ids-drain", "startup-gate")
 
 
 @dataclass(frozen=True)
@@ -518,6 +533,11 @@ def validate(cfg: GuardConfig) -> GuardConfig:
     if s.backoff_max < s.backoff_initial:
         raise ConfigError(f"[server] backoff_max has value {s.backoff_max!r}: must be >= backoff_initial "
                           f"({s.backoff_initial!r})")
+    if s.gpus and "replicas" in cfg.explicit.get("server", set()) and s.replicas > len(s.gpus):
+        raise ConfigError(f"[server] replicas has value {s.replicas!r}: more than the {len(s.gpus)} GPUs in "
+                          f"[server] gpus {s.gpus!r}")
+    if len(set(s.gpus)) != len(s.gpus):
+        raise ConfigError(f"[server] gpus has value {s.gpus!r}: a GPU is listed twice")
     if cfg.install.user == cfg.install.watchdog_user:
         raise ConfigError(f"[install] watchdog_user has value {cfg.install.watchdog_user!r}: must differ from user")
     return cfg
@@ -569,7 +589,7 @@ def format_kv(table: typing.Mapping[str, Any]) -> str:
 
 
 __all__ = [
-    "DEFAULT_CONFIG", "ConfigError", "Duration", "GuardConfig", "InjectConfig", "InstallConfig",
+    "DEFAULT_CONFIG", "RECYCLE_STRATEGIES", "ConfigError", "Duration", "GuardConfig", "InjectConfig", "InstallConfig",
     "PATCH_IDS", "PatchesConfig", "ProbeConfig", "RecycleConfig", "SECTIONS", "ServerConfig",
     "SoakConfig", "WatchdogConfig", "as_dict", "coerce", "format_duration", "format_kv", "from_data",
     "load", "parse_duration", "parse_kv", "read_toml", "section_from_table", "section_table",

@@ -67,3 +67,26 @@ def visible_uuids(static: Sequence[Mapping[str, Any]], env: Mapping[str, str] | 
         ordered = sorted(static, key=lambda s: str(s["pci_bus_id"]))
         return [str(ordered[int(x)]["uuid"]) for x in items if int(x) < len(ordered)]
     return every
+
+
+def select_gpus(static: Sequence[Mapping[str, Any]], selectors: Sequence[str],
+                env: Mapping[str, str] | None = None) -> list[str]:
+    """UUIDs for `[server] gpus` entries: an index is the n-th GPU as `nvidia-smi` numbers them
+    (NVML order) among those this process sees (`visible_uuids`); a UUID, or a prefix of one,
+    names its GPU. The runtime then gives each replica `CUDA_VISIBLE_DEVICES=<UUID,...>`, which
+    names the same devices whatever `CUDA_DEVICE_ORDER` says. ValueError names a selector that
+    matches no GPU, or more than one."""
+    seen = set(visible_uuids(static, env))
+    ordered = [str(s["uuid"]) for s in sorted(static, key=lambda s: int(s["index"])) if str(s["uuid"]) in seen]
+    out: list[str] = []
+    for sel in selectors:
+        if sel.isdigit():
+            if int(sel) >= len(ordered):
+                raise ValueError(f"GPU {sel}: this process sees {len(ordered)} GPU(s) (0..{len(ordered) - 1})")
+            out.append(ordered[int(sel)])
+            continue
+        hits = [u for u in ordered if u.startswith(sel)]
+        if len(hits) != 1:
+            raise ValueError(f"GPU {sel}: " + ("no such GPU here" if not hits else "matches more than one GPU"))
+        out.append(hits[0])
+    return out

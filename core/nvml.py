@@ -236,6 +236,19 @@ class NvmlSession:
             return out
         return out
 
+    def device_memory_mb(self) -> dict[str, tuple[float, float]]:
+        """{uuid: (used MiB, total MiB)} of every GPU; {} without NVML, a GPU that fails is left out."""
+        out: dict[str, tuple[float, float]] = {}
+        if not self.available:
+            return out
+        for s, h in zip(self.static, self._handles):
+            try:
+                mem = self._call(self.nv.nvmlDeviceGetMemoryInfo, h)
+            except Exception:  # noqa: BLE001 - a timeout or a lost GPU: the others still answer
+                continue
+            out[str(s["uuid"])] = (mem.used / MIB, mem.total / MIB)
+        return out
+
     def capability_table(self) -> dict[str, Any]:
         """Which fields each GPU supports (True/False; absent = not tried yet)."""
         return {"driver": self.driver, "cuda_driver": self.cuda_driver, "error": self.error or None,

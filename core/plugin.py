@@ -10,6 +10,13 @@ Report files under the state dir, one folder per generation so a recycle never m
   patches/gen-<N>/<pid>.json    one per vLLM process, rewritten atomically (tmp + rename)
   patches/gen-<N>/events.jsonl  patch events (orphans reclaimed, idle releases)
   patches/gen-<N>/inject.jsonl  what the fault injector did (tests compare guards against it)
+
+The startup gate (gated pre-start, docs/RUNTIME.md): the runtime sets VLLM_GUARD_GATE to
+`patches/gen-<N>/gate/` and VLLM_GUARD_GATE_TIMEOUT for one generation only. Its EngineCore,
+fully imported and before any CUDA work, writes `gate/state.json` (a `GateReport`: parked, or
+skipped with the reason) and waits until the runtime creates `gate/open`; then it writes
+`opened` and goes on. Files, not a fifo: either side may look at any time, a restart of either
+leaves a readable record, and nothing blocks when the other side is gone.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from .config import ConfigError, GuardConfig, InjectConfig, PatchesConfig, format_kv, parse_kv, section_from_table
 from .errors import ProtocolError
-from .protocol import PatchEvents, PatchProcessReport, decode
+from .protocol import GateReport, PatchEvents, PatchProcessReport, decode
 from .vllm_api import arg_value
 
 PLUGIN_NAME = "vllm_guard"
@@ -34,6 +41,10 @@ ALLOC_VALUE = "expandable_segments:True"
 NOTE_VAR = "VLLM_GUARD_ALLOC_NOTE"  # why the allocator setting was (not) applied; the plugin reports it
 EVENTS = "events.jsonl"
 INJECT = "inject.jsonl"
+GATE_VAR = "VLLM_GUARD_GATE"  # the generation's gate dir; set only for a gated generation
+GATE_TIMEOUT_VAR = "VLLM_GUARD_GATE_TIMEOUT"  # seconds the engine waits at the gate, then exits
+GATE_STATE = "state.json"
+GATE_OPEN = "open"
 
 
 def tensor_parallel_size(vllm_args: Sequence[str]) -> int:
@@ -178,3 +189,31 @@ def injected(state_dir: str | Path, generation: int) -> list[dict[str, Any]]:
 
 def events(state_dir: str | Path, generation: int) -> list[dict[str, Any]]:
     return read_jsonl(gen_dir(state_dir, generation) / EVENTS)
+
+
+# -- the startup gate -------------------------------------------------------------------------
+def gate_dir(state_dir: str | Path, generation: int) -> Path:
+    return gen_dir(state_dir, generation) / "gate"
+
+
+def gate_env(env: Mapping[str, str], gate: Path, timeout_s: float) -> dict[str, str]:
+    """The env of a generation that must park at `gate` (at most `timeout_s` seconds)."""
+    return {**env, GATE_VAR: str(gate), GATE_TIMEOUT_VAR: f"{timeout_s:.0f}"}
+
+
+def read_gate(gate: Path) -> GateReport | None:
+    """The engine's word at the gate; None until it has said anything (or if it is unreadable)."""
+    try:
+        return decode(GateReport, json.loads((gate / GATE_STATE).read_text()))
+    except (OSError, ValueError, ProtocolError):
+        return None
+
+
+def open_gate(gate: Path) -> None:
+    """Let the parked engine go on (idempotent)."""
+    gate.mkdir(parents=True, exist_ok=True)
+    (gate / GATE_OPEN).touch()
+
+
+def gate_is_open(gate: Path) -> bool:
+    return (gate / GATE_OPEN).exists()

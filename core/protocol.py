@@ -128,7 +128,10 @@ class RecycleSummary(_Model):
     queued: int
     duration_s: float | None = None  # start of the recycle -> next generation ready
     downtime_s: float | None = None  # time no generation served
-    strategy: str | None = None
+    strategy: str | None = None  # overlap | gated | cold (the one that ran; see strategy_reason)
+    strategy_reason: str | None = None  # the memory readings behind the choice, or the override
+    replica: int = 0
+    next_generation: int | None = None  # the generation that replaces it, once started
 
 
 class ProbeSummary(_Model):
@@ -179,6 +182,36 @@ class LedgerHealth(_Model):
     last_error: str | None = None
 
 
+class ReplicaStatus(_Model):
+    """One vLLM server behind the proxy (a runtime with one replica has one of these)."""
+
+    index: int
+    state: RuntimeState
+    generation: int  # the generation new requests go to (0: none yet)
+    gpus: list[str] = Field(default_factory=list)  # CUDA_VISIBLE_DEVICES of its generations (UUIDs)
+    gpu_name: str | None = None
+    backend_url: str | None = None
+    in_flight: int = 0
+    served: int = 0  # counted requests its current generation took
+    limit: int | None = None
+    next_generation: int | None = None  # a generation starting beside it (overlap) or parked (gated)
+    next_phase: Literal["starting", "parked", "past_gate"] | None = None
+    retiring: list[int] = Field(default_factory=list)  # old generations still draining or stopping
+    recycle_strategy: str | None = None  # of its recycle in progress, else of its last one
+
+
+class GateReport(_Model):
+    """What a gated generation's EngineCore says at its startup gate (`core.plugin.read_gate`)."""
+
+    state: Literal["parked", "opened", "skipped", "timed_out"]
+    pid: int
+    at: str
+    reason: str = ""
+    vllm_version: str = "unknown"
+    where: str = ""  # the vLLM function that loaded the plugin (EngineCore.__init__ expected)
+    waited_s: float | None = None
+
+
 class StatusSnapshot(_Model):
     schema_: Literal["vllm-guard-status/2"] = Field("vllm-guard-status/2", alias="schema")
     state: RuntimeState
@@ -204,6 +237,8 @@ class StatusSnapshot(_Model):
     last_probe: ProbeSummary | None = None
     patches: dict[str, PatchProcessReport] = Field(default_factory=dict)
     ledger: LedgerHealth = Field(default_factory=LedgerHealth)
+    recycle_strategy: str = "auto"  # [server] recycle_strategy: auto | overlap | gated | cold
+    replicas: list[ReplicaStatus] = Field(default_factory=list)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -235,6 +270,7 @@ class CommandRequest(_Model):
     command: Command
     reason: str = "operator"
     cls: EndClass | None = None
+    replica: int | None = Field(default=None, ge=0)  # recycle/restart one replica; None: all (rolling, one at a time)
 
     @field_validator("reason")
     @classmethod

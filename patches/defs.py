@@ -43,6 +43,11 @@ T_NEW_IDS = Target("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCac
                    ("new_block_ids", "take_new_block_ids"), absent=("records_new_block_ids", "_record_new_block_ids"))
 T_WORKER = Target("vllm.v1.worker.worker_base", "WorkerWrapperBase", "execute_model")
 T_INIT_DEVICE = Target("vllm.v1.worker.gpu_worker", "Worker", "init_device")
+# The engine loads the general plugins (us) before it builds the executor, which creates the
+# worker and the CUDA context: a plugin that waits there holds no GPU memory. Verified in
+# 0.25.1 (core.py: load_general_plugins at ~110, executor_class(vllm_config) at ~123) and 0.32.0.
+T_ENGINE_INIT = Target(CORE, "EngineCore", "__init__", ("vllm_config", "executor_class"),
+                       calls=("load_general_plugins", "executor_class"))
 
 KV_BLOCK_AUDIT = PatchDef(
     id="kv-block-audit",
@@ -100,7 +105,18 @@ BLOCK_IDS_DRAIN = PatchDef(
     targets=(T_SCHEDULE, T_TAKE_IDS, T_NEW_IDS),
 )
 
-ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION, ADD_REQUEST_ABORT, BLOCK_IDS_DRAIN)
+STARTUP_GATE = PatchDef(
+    id="startup-gate",
+    fixes="the stall of a cold recycle: most of a vLLM start (imports, API server, engine handshake) "
+          "needs no GPU, yet a plain recycle waits for the old generation to stop before any of it",
+    summary="only for a gated generation (VLLM_GUARD_GATE): EngineCore parks before CUDA until the "
+            "runtime opens the gate (the old generation's GPU memory is free); exits if it cannot park "
+            "safely or waits past VLLM_GUARD_GATE_TIMEOUT",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("engine_core",),
+    targets=(T_ENGINE_INIT,),
+)
+
+ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION, ADD_REQUEST_ABORT, BLOCK_IDS_DRAIN, STARTUP_GATE)
 
 # Targets a role actually touches (a worker never sees the scheduler, and so on).
 ROLE_TARGETS: dict[tuple[str, str], tuple[Target, ...]] = {

@@ -66,6 +66,7 @@ class Plugin:
             "kv-block-audit": self._audit, "idle-release": self._idle,
             "allocator-settings": self._allocator, "fault-injection": self._inject,
             "add-request-abort": self._add_request_abort, "block-ids-drain": self._block_ids_drain,
+            "startup-gate": self._gate,
         }
         for defn in defs.ALL:
             self.states[defn.id] = self._apply_one(defn, appliers[defn.id])
@@ -176,6 +177,30 @@ class Plugin:
             raise _Skip("no fault for this process")
         return "INJECTING: " + "; ".join(done)
 
+    def _gate(self) -> str:
+        from . import gate
+
+        where = gate.requested()
+        if where is None:
+            raise _Skip("not a gated generation")
+        if gate.cuda_initialized():
+            raise _Skip("CUDA is already initialized in this process: parking would hold GPU memory")
+        return f"parks at {where} until the runtime opens it"
+
+    def pass_gate(self) -> None:
+        """A gated generation's EngineCore: park (the gate patch applied) or refuse and exit."""
+        from . import gate
+
+        where = gate.requested()
+        if where is None or self.role != "engine_core":
+            return
+        st = self.states.get("startup-gate", {})
+        if st.get("state") != "applied":
+            gate.refuse(where, str(st.get("reason") or "the startup-gate patch did not apply"), self.version)
+        waited = gate.park(where, gate.timeout_s(), self.version)
+        self.states["startup-gate"] = {"state": "applied", "reason": f"parked {waited:.1f}s, then opened"}
+        self.write()
+
     def report(self) -> dict[str, Any]:
         """This process's `PatchProcessReport`, as the JSON the runtime decodes."""
         return {
@@ -218,7 +243,8 @@ def error_report(role: str, error: str) -> dict[str, Any]:
 
 
 def register() -> None:
-    """vLLM general-plugin entry point; safe to call any number of times, never raises."""
+    """vLLM general-plugin entry point; safe to call any number of times, never raises (a gated
+    EngineCore that cannot park exits instead: `gate`)."""
     if _STATE.get("pid") == os.getpid():
         return
     _STATE["pid"] = os.getpid()
@@ -226,6 +252,25 @@ def register() -> None:
         _register()
     except Exception:  # noqa: BLE001 - never break serving
         log.exception("vllm-guard plugin failed")
+    _gate()
+
+
+def _gate() -> None:
+    """After the patches: a gated generation's EngineCore parks here, or exits if it cannot."""
+    from . import gate
+
+    where = gate.requested()
+    if where is None or detect_role() != "engine_core":
+        return
+    plugin = _STATE.get("plugin")
+    try:
+        if not isinstance(plugin, Plugin):
+            gate.refuse(where, "the plugin's settings are bad (see its report)", vllm_version())
+        else:
+            plugin.pass_gate()
+    except Exception as e:  # noqa: BLE001 - a gate that fails must not let the engine go on
+        log.exception("vllm-guard startup gate failed")
+        gate.refuse(where, f"{type(e).__name__}: {e}", vllm_version())
 
 
 def _register() -> None:

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import inspect
 import re
+import textwrap
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -31,6 +32,7 @@ class Target:
     method: str | None = None
     params: tuple[str, ...] = ()
     attrs: tuple[str, ...] = ()  # instance attributes assigned as `self.<name> = ...` in the class
+    calls: tuple[str, ...] = ()  # names `method` calls, the first call of each in this order
     # Names whose presence means the upstream fix is in this vLLM: the patch is then not needed.
     absent: tuple[str, ...] = ()
 
@@ -40,6 +42,8 @@ class Target:
             name += f".{self.method}({', '.join(self.params)})"
         if self.attrs:
             name += " [" + ", ".join(self.attrs) + "]"
+        if self.calls:
+            name += " calls " + " before ".join(self.calls)
         if self.absent:
             name += " [without " + ", ".join(self.absent) + "]"
         return name
@@ -101,6 +105,36 @@ def _method_params(cls_nodes: list[ast.ClassDef], method: str) -> list[str] | No
     return None
 
 
+def _method_node(cls_nodes: list[ast.ClassDef], method: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    for c in cls_nodes:
+        for n in c.body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == method:
+                return n
+    return None
+
+
+def call_order(fn: ast.AST, where: str, names: tuple[str, ...]) -> str | None:
+    """None when `fn` calls each of `names` (a plain or attribute call) and the first call of each
+    comes in the order given; else the reason. E.g. EngineCore.__init__ must load the general
+    plugins before it builds the executor, or a plugin that waits there would hold the GPU."""
+    first: dict[str, tuple[int, int]] = {}
+    for n in ast.walk(fn):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+        if name in names:
+            pos = (n.lineno, n.col_offset)
+            first[name] = min(first.get(name, pos), pos)
+    missing = [x for x in names if x not in first]
+    if missing:
+        return f"{where} does not call {', '.join(missing)}"
+    seen = sorted(names, key=lambda x: first[x])
+    if seen != list(names):
+        return f"{where} calls {' before '.join(seen)} (expected {' before '.join(names)})"
+    return None
+
+
 def _assigned_attrs(cls_nodes: list[ast.ClassDef]) -> set[str]:
     out: set[str] = set()
     for c in cls_nodes:
@@ -152,6 +186,9 @@ def static_check(root: Path, t: Target) -> str | None:
         missing = [p for p in t.params if p not in params]
         if missing:
             return f"{t.cls}.{t.method}({', '.join(params)}) lacks parameter(s) {', '.join(missing)}"
+        node = _method_node(nodes, t.method)
+        if t.calls and node is not None and (why := call_order(node, f"{t.cls}.{t.method}", t.calls)):
+            return why
     if t.attrs or t.absent:
         have = _assigned_attrs(nodes)
         missing = [a for a in t.attrs if a not in have]
@@ -181,6 +218,13 @@ def live_check(t: Target) -> str | None:
         missing = [p for p in t.params if p not in params]
         if missing:
             return f"{t.cls}.{t.method}({', '.join(params)}) lacks parameter(s) {', '.join(missing)}"
+        if t.calls:
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+            except (OSError, TypeError, SyntaxError) as e:
+                return f"{t.cls}.{t.method}: source not readable, cannot check its calls ({e})"
+            if why := call_order(tree, f"{t.cls}.{t.method}", t.calls):
+                return why
     if t.attrs or t.absent:
         try:
             src = inspect.getsourcefile(cls)

@@ -86,6 +86,7 @@ def add_commands(sub: Any) -> dict[str, Handler]:
             "DUR" if flag.endswith(("timeout", "wait", "uptime", "after", "interval")) else None)
         s.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=text, metavar=metavar)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_strategy_flags(s)
 
     for name, text in ADMIN_COMMANDS.items():
         c = sub.add_parser(name, help=text)
@@ -98,6 +99,8 @@ def add_commands(sub: Any) -> dict[str, Handler]:
             c.add_argument("--class", dest="cls", default=None,
                            help="ledger class: recycle scheduled|preventive (default scheduled); "
                                 "restart unplanned|scheduled|preventive (default unplanned)")
+            c.add_argument("--replica", type=_num(int), default=None, metavar="N",
+                           help="only this replica (default: all of them, one at a time)")
 
     m = sub.add_parser("model", help="build the embedded tiny model (random weights: its text is noise)")
     m.add_argument("kind", choices=["tiny"])
@@ -109,6 +112,34 @@ def add_commands(sub: Any) -> dict[str, Handler]:
     d.add_argument("--requests", type=_num(int), default=48)
     return {"serve": cmd_serve, "model": cmd_model, "demo": cmd_demo,
             **{name: cmd_admin for name in ADMIN_COMMANDS}}
+
+
+# -- serve: recycle strategy and replicas (docs/RUNTIME.md "Recycle strategies") --------------
+def _gpu_list(text: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of GPUs (e.g. 0,1 or GPU-<uuid>,...)")
+    return items
+
+
+def add_strategy_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--recycle-strategy", dest="recycle_strategy", default=None,
+                   choices=["auto", "overlap", "gated", "cold"],
+                   help="how a generation is replaced: overlap (next one beside it, nothing queues), gated "
+                        "(next one parked before the GPU until the old one is gone), cold (stop, then start); "
+                        "auto chooses per recycle from measured memory (default auto)")
+    s.add_argument("--replicas", type=_num(int), default=None, metavar="N",
+                   help="vLLM servers behind the one proxy, recycled one at a time (default 1)")
+    s.add_argument("--gpus", type=_gpu_list, default=None, metavar="LIST",
+                   help="GPU indexes (as nvidia-smi numbers them) or UUIDs, comma-separated: one replica per "
+                        "GPU, or per --tensor-parallel-size of them (default: every replica sees every GPU)")
+
+
+def apply_strategy_flags(args: argparse.Namespace, cfg: GuardConfig) -> None:
+    for key in ("recycle_strategy", "replicas", "gpus"):
+        value = getattr(args, key, None)
+        if value is not None:
+            set_value(cfg, "server", key, value)
 
 
 # -- serve ------------------------------------------------------------------------------------
@@ -151,6 +182,7 @@ def serve_config(args: argparse.Namespace, vllm_args: list[str]) -> GuardConfig:
         value = getattr(args, flag)
         if value is not None:
             set_value(cfg, section, key, value)
+    apply_strategy_flags(args, cfg)
     set_value(cfg, "server", "vllm_args", [*cfg.server.vllm_args, *vllm_args])
     owned = find_owned_arg(cfg.server.vllm_args)
     if owned is not None:
@@ -353,7 +385,10 @@ def _request(args: argparse.Namespace) -> Any:
     except ValueError as e:
         raise UsageError(f"{args.command}: class has value {cls_text!r}: one of "
                          f"{', '.join(c.value for c in EndClass)}") from e
-    req = CommandRequest(command=Command(args.command), reason=reason, cls=cls)
+    replica = getattr(args, "replica", None)
+    if replica is not None and replica < 0:
+        raise UsageError(f"{args.command}: --replica has value {replica}: must be >= 0")
+    req = CommandRequest(command=Command(args.command), reason=reason, cls=cls, replica=replica)
     try:
         req.ledger_class()
     except ProtocolError as e:

@@ -1,10 +1,12 @@
 """One generation as the supervisor tracks it: its processes, its proxy target, what the
-monitors last saw of it. A new generation starts with nothing inherited from the last one."""
+monitors last saw of it, and how it started (cold, beside its predecessor, or through a gate).
+A new generation starts with nothing inherited from the last one."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllm_guard.core.protocol import ChildProcess, MemoryStatus, PatchProcessReport, Role
@@ -20,6 +22,10 @@ class Generation:
     backend: Backend
     target: Target
     row: int  # its ledger row
+    replica: int = 0
+    strategy: str | None = None  # how it came up: overlap | gated | cold; None: the replica's first
+    gate: Path | None = None  # a gated generation's startup gate (core.plugin.gate_dir)
+    spawned_mono: float = 0.0
     ready_mono: float | None = None
     hang: str | None = None  # set by the probe monitor: why this generation is hung
     ended: bool = False  # stopped and recorded in the ledger

@@ -261,12 +261,13 @@ class RuntimeLedger:
         return len(self._open)
 
     # -- the runtime's records ---------------------------------------------------------------
-    def generation_started(self, generation: int, pid: int, pid_started: float | None, model: str) -> int:
+    def generation_started(self, generation: int, pid: int, pid_started: float | None, model: str,
+                           replica: int = 0, strategy: str | None = None) -> int:
         row = self._next_id("generations")
         now = utcnow()
         self._put("INSERT INTO generations (id, generation, started_at, updated_at, pid, pid_started, model, "
-                  "host, boot_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                  (row, generation, now, now, pid, pid_started, model, self.host, self.boot_id),
+                  "host, boot_id, replica, strategy) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                  (row, generation, now, now, pid, pid_started, model, self.host, self.boot_id, replica, strategy),
                   f"generation {generation} started")
         return row
 
@@ -286,11 +287,12 @@ class RuntimeLedger:
                   "requests_served = ? WHERE id = ?", (now, now, reason, cls, requests_served, row),
                   "generation ended")
 
-    def recycle_started(self, generation: int, trigger: str, cls: str, in_flight: int, queued: int) -> int:
+    def recycle_started(self, generation: int, trigger: str, cls: str, in_flight: int, queued: int,
+                        replica: int = 0, strategy: str | None = None) -> int:
         row = self._next_id("recycles")
-        self._put("INSERT INTO recycles (id, generation, trigger, class, started_at, in_flight, queued) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?)", (row, generation, trigger, cls, utcnow(), in_flight, queued),
-                  "recycle started")
+        self._put("INSERT INTO recycles (id, generation, trigger, class, started_at, in_flight, queued, replica, "
+                  "strategy) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                  (row, generation, trigger, cls, utcnow(), in_flight, queued, replica, strategy), "recycle started")
         return row
 
     def recycle_update(self, row: int, **values: Any) -> None:

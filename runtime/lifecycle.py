@@ -1,8 +1,9 @@
 """How the runtime comes up and goes down, around the supervisor's loop.
 
 Up: become the subreaper of our grandchildren, route signals into the command queue, open NVML
-off the loop, kill the vLLM trees a killed predecessor left (the ledger has their pids and start
-times), close its open generations, then the proxy, the admin socket and the status monitor.
+off the loop, plan the replicas (their GPUs), kill the vLLM trees a killed predecessor left (the
+ledger has their pids and start times), close its open generations, then the proxy, the admin
+socket and the status monitor, and start every replica.
 Down — on every way out, an exception included: no vLLM process of ours survives, then the rest
 is closed and the ledger flushed.
 """
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import structlog
 
-from vllm_guard.core.ledger import EndClass, FailureKind
+from vllm_guard.core.ledger import FailureKind
 from vllm_guard.core.protocol import Command, CommandRequest
 
 from . import metrics, monitors, procs
@@ -44,6 +45,7 @@ async def open_runtime(sup: Supervisor, admin_start: Callable[[Supervisor], Awai
     sup.http = aiohttp.ClientSession()
     sup.nvml = await asyncio.to_thread(NvmlSession)
     sup.gpu_name = visible_gpu_name(sup.nvml, os.environ)
+    plan_replicas(sup)
     orphans = await kill_orphans(sup.ledger)
     sup.ledger.close_open_generations(FailureKind.RUNTIME_LOST.value)
     await sup.proxy.start()
@@ -51,13 +53,23 @@ async def open_runtime(sup: Supervisor, admin_start: Callable[[Supervisor], Awai
         sup.admin = await admin_start(sup)  # keep a reference: a dropped runner closes
     metrics.start(sup)  # the runtime's Prometheus metrics ([server] metrics_port; 0: off)
     sup.tasks.append(asyncio.create_task(monitors.guarded("status", 0, lambda: monitors.status_loop(
-        lambda: sup.gen, sup.state_dir, sup.wake))))
+        sup.live_generations, sup.state_dir, sup.wake))))
     log.info("runtime_started", port=sup.cfg.server.port, state_dir=str(sup.state_dir), model=sup.model,
-             gpu=sup.gpu_name or None, hold=sup.hold, next_generation=sup.generation + 1, orphans_killed=orphans)
-    if sup.hold:
-        await sup.enter_held()
-    else:
-        await sup.start_generation()
+             gpu=sup.gpu_name or None, hold=sup.hold, next_generation=sup.last_number + 1, orphans_killed=orphans,
+             replicas=len(sup.replicas), recycle_strategy=sup.cfg.server.recycle_strategy)
+    await sup.start_all()
+
+
+def plan_replicas(sup: Supervisor) -> None:
+    """One `Replica` per GPU (or TP group) of `[server] gpus`, or `[server] replicas` of them;
+    ConfigError when the settings and this machine's GPUs disagree."""
+    from .replica import Replica
+    from .replicas import plan
+
+    static = sup.nvml.static if sup.nvml is not None and sup.nvml.available else []
+    sup.replicas = [Replica(sup, p) for p in plan(sup.cfg, static, os.environ)]
+    for rep in sup.replicas:
+        rep.gpu_name = visible_gpu_name(sup.nvml, {**os.environ, **rep.plan.env()})
 
 
 def install_signals(sup: Supervisor) -> None:
@@ -89,13 +101,8 @@ async def close_runtime(sup: Supervisor) -> None:
     """Every way out: no vLLM process of ours survives, then the rest is closed."""
     for task in sup.tasks:
         task.cancel()
-    gen = sup.gen
-    if gen is not None:
-        gen.cancel_tasks()
-        await gen.backend.kill_for_good()
-        if not gen.ended:  # the runtime itself failed (an exception) with this generation
-            gen.ended = True
-            sup.ledger.generation_ended(gen.row, "runtime_error", EndClass.UNPLANNED.value, gen.target.completed)
+    for rep in sup.replicas:
+        await rep.kill_for_good()
     await sup.proxy.stop()
     if sup.admin is not None:
         await sup.admin.cleanup()

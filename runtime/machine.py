@@ -14,6 +14,7 @@ machine is tested without a clock or a vLLM.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from vllm_guard.core.protocol import RuntimeState as State
@@ -33,6 +34,16 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 INITIAL: frozenset[State] = frozenset({S.STARTING, S.HELD, S.EXITING})
 # States in which a vLLM generation exists (its processes may be alive).
 WITH_BACKEND: frozenset[State] = frozenset({S.STARTING, S.SERVING, S.DRAINING, S.STOPPING})
+
+
+class After(enum.Enum):
+    """What follows a replica's stopped generation (STOPPING ends in one of these)."""
+
+    START = "start"
+    PROMOTE = "promote"  # gated recycle: open the parked successor's gate once the GPU memory is free
+    BACKOFF = "backoff"
+    HOLD = "hold"
+    EXIT = "exit"
 
 
 class IllegalTransition(RuntimeError):

@@ -170,6 +170,7 @@ class RuntimeCollector(Collector):
                     if v is not None:
                         pm.add_metric([pr.role.value, str(pr.pid), k], v)
             yield pm
+        yield from _replicas(st)
         lh = st.ledger
         for name, v, text in (("ledger_ok", 1.0 if lh.ok else 0.0, "1 while ledger writes succeed"),
                               ("ledger_pending_writes", lh.pending_writes, "ledger writes queued")):
@@ -255,3 +256,27 @@ def start(sup: Supervisor) -> RuntimeMetrics | None:
 def sample_names(registry: Any) -> set[str]:
     """Every sample name a registry exposes (`_total` and all): what PromQL may select."""
     return {s.name for fam in registry.collect() for s in fam.samples}
+
+
+def _replicas(st: StatusSnapshot) -> Iterator[Metric]:
+    """Per replica (one vLLM server behind the proxy): its generation, load, state, successor."""
+    if not st.replicas:
+        return
+    g = GaugeMetricFamily
+    fams = {
+        "replica_generation": g(P + "replica_generation", "generation new requests go to, per replica",
+                                labels=["replica"]),
+        "replica_in_flight": g(P + "replica_in_flight", "requests its generation is answering now", labels=["replica"]),
+        "replica_served": g(P + "replica_served", "counted requests its current generation took", labels=["replica"]),
+        "replica_serving": g(P + "replica_serving", "1 while the replica serves", labels=["replica"]),
+        "replica_successor": g(P + "replica_successor", "1 while a successor starts beside it or is parked",
+                               labels=["replica", "strategy"]),
+    }
+    for r in st.replicas:
+        i = str(r.index)
+        fams["replica_generation"].add_metric([i], float(r.generation))
+        fams["replica_in_flight"].add_metric([i], float(r.in_flight))
+        fams["replica_served"].add_metric([i], float(r.served))
+        fams["replica_serving"].add_metric([i], 1.0 if r.state is RuntimeState.SERVING else 0.0)
+        fams["replica_successor"].add_metric([i, r.recycle_strategy or ""], 1.0 if r.next_generation else 0.0)
+    yield from fams.values()

@@ -116,7 +116,7 @@ async def probe_loop(gen: Generation, http: aiohttp.ClientSession, cfg: ProbeCon
 
 
 # -- memory -----------------------------------------------------------------------------------
-def _read_memory(root_pid: int, requests: int, nvml: NvmlSession | None) -> tuple[MemoryReading, list[ChildProcess]]:
+def read_memory(root_pid: int, requests: int, nvml: NvmlSession | None) -> tuple[MemoryReading, list[ChildProcess]]:
     """One reading of the generation's process tree (blocking: smaps and NVML)."""
     found = procs.tree(root_pid)
     per = child_memory([{"pid": c.pid, "role": c.role.value} for c in found], full=True)
@@ -156,7 +156,7 @@ async def memory_loop(gen: Generation, cfg: RecycleConfig, nvml: NvmlSession | N
     baseline: MemoryReading | None = None
     while True:
         warmed = t.dispatched >= warm
-        cur, found = await asyncio.to_thread(_read_memory, gen.backend.pid, t.dispatched, nvml)
+        cur, found = await asyncio.to_thread(read_memory, gen.backend.pid, t.dispatched, nvml)
         gen.backend.remember(found)
         if baseline is None and warmed:
             baseline = cur  # allocator pools and caches have settled
@@ -179,12 +179,14 @@ def _collect(gen: Generation, state_dir: Path) -> tuple[list[ChildProcess], int 
     return found, dead, plugin.read_states(state_dir, gen.number)
 
 
-async def status_loop(current: Callable[[], Generation | None], state_dir: Path, wake: Callable[[], None]) -> None:
-    """For the runtime's whole life: the current generation's process tree, whether an engine
-    process died, and the plugin's patch reports, cached on the generation."""
+async def status_loop(live: Callable[[], list[Generation]], state_dir: Path, wake: Callable[[], None]) -> None:
+    """For the runtime's whole life: each live generation's process tree (every replica's, a
+    successor's, a draining one's), whether an engine process died, and the plugin's patch
+    reports, cached on the generation."""
     while True:
-        gen = current()
-        if gen is not None and gen.backend.proc is not None:
+        for gen in live():
+            if gen.backend.proc is None or gen.ended:
+                continue
             found, dead, patches = await asyncio.to_thread(_collect, gen, state_dir)
             gen.backend.remember(found)
             gen.children = found

