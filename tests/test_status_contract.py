@@ -45,9 +45,10 @@ def raw(sock: Path, method: str, path: str, body: bytes = b"") -> tuple[int, Any
 def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
     state = tmp_path_factory.mktemp("held")
     (state / "hold.json").write_text(json.dumps({"reason": "gpu needs reset"}))
+    model = tmp_path_factory.mktemp("model")  # held: vLLM never starts, the path only has to exist
     log = open(state / "guard.log", "wb")
     proc = subprocess.Popen([*GUARD_CMD, "serve", "--state-dir", str(state), "--port", str(free_port()),
-                             "--model", "/nonexistent-model"], stdout=log, stderr=subprocess.STDOUT)
+                             "--model", str(model)], stdout=log, stderr=subprocess.STDOUT)
     end = time.monotonic() + 120
     while not (state / "admin.sock").exists() and time.monotonic() < end:
         assert proc.poll() is None, (state / "guard.log").read_text()
