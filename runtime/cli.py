@@ -310,6 +310,7 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
         if not importable:
             print(f"vllm-guard: error: {python} cannot import vllm (install vllm-guard[cpu] or [gpu])", file=sys.stderr)
             return EXIT_BOOT_ERROR
+        ledger = RuntimeLedger(cfg.server.state_dir)  # a bad ledger is the one line, before anything is logged
         if cpu_build:
             import psutil
 
@@ -325,7 +326,7 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
             except RuntimeError as e:
                 print(f"vllm-guard: error: {e}", file=sys.stderr)
                 return EXIT_BOOT_ERROR
-        sup = Supervisor(cfg, model, python, RuntimeLedger(cfg.server.state_dir))
+        sup = Supervisor(cfg, model, python, ledger)
         runner: Callable[[Any], Any] = asyncio.run
         try:
             import uvloop  # vLLM depends on it; faster proxying where present
