@@ -278,14 +278,6 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
         if not importable:
             print(f"vllm-guard: error: {python} cannot import vllm (install vllm-guard[cpu] or [gpu])", file=sys.stderr)
             return EXIT_BOOT_ERROR
-        if cpu_build:
-            import psutil
-
-            kv = cpu_kv_space_gib(psutil.virtual_memory().available, os.environ, list(cfg.server.vllm_args))
-            if kv is not None:  # every generation inherits it (backend.child_env copies our environment)
-                os.environ[KV_SPACE_VAR] = str(kv)
-                structlog.get_logger("vllm_guard.serve").info(
-                    "cpu_kv_cache_space", gib=kv, why=f"{KV_SPACE_VAR} unset: {KV_SPACE_SHARE:.0%} of available memory")
         model = cfg.server.model
         if not model:
             try:
@@ -294,6 +286,14 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
                 print(f"vllm-guard: error: {e}", file=sys.stderr)
                 return EXIT_BOOT_ERROR
         sup = Supervisor(cfg, model, python, RuntimeLedger(cfg.server.state_dir))
+        if cpu_build:  # once the ledger opened: a serve refused before it says only why
+            import psutil
+
+            kv = cpu_kv_space_gib(psutil.virtual_memory().available, os.environ, list(cfg.server.vllm_args))
+            if kv is not None:  # every generation inherits it (backend.child_env copies our environment)
+                os.environ[KV_SPACE_VAR] = str(kv)
+                structlog.get_logger("vllm_guard.serve").info(
+                    "cpu_kv_cache_space", gib=kv, why=f"{KV_SPACE_VAR} unset: {KV_SPACE_SHARE:.0%} of available memory")
         runner: Callable[[Any], Any] = asyncio.run
         try:
             import uvloop  # vLLM depends on it; faster proxying where present
