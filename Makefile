@@ -7,7 +7,7 @@ PYTHON ?= python3
 TORCH_INDEX ?=
 PIP_TORCH   := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: demo test venv
+.PHONY: demo test test-long venv
 
 venv: $(VENV)/.installed
 
@@ -26,4 +26,9 @@ demo: venv
 
 test: venv
 	bash .ci/system-deps
-	$(PY) -m pytest -m "not vm" -p no:cacheprovider
+	$(PY) -m pytest -m "not vm and not long" -p no:cacheprovider
+
+# The files with many vLLM starts (recycle strategies and replicas, the whole-runtime fault suite,
+# the soak journeys, leak attribution on the real upstream leak): ~45 min on 2 cores.
+test-long: venv
+	$(PY) -m pytest -m "long" -p no:cacheprovider

@@ -38,7 +38,7 @@ import pytest
 from conftest import GuardServer
 from vllm_guard.core import ledger as L
 
-pytestmark = [pytest.mark.faults, pytest.mark.slow]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.long]
 
 DEV_ENDPOINTS = ["/scale_elastic_ep", "/v1/responses/resp_1/cancel", "/sleep", "/wake_up", "/reset_prefix_cache",
                  "/collective_rpc", "/v1/load_lora_adapter", "/start_profile", "/pause", "/server_info", "/metrics"]

@@ -26,7 +26,7 @@ from conftest import GUARD_CMD, VLLM_ARGS, GuardServer
 from vllm_guard.core.timefmt import parse_iso
 from vllm_guard.runtime.cli import _vllm_probe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 DURATION = 60.0
 SLACK = 90.0  # drain of the last requests and process start/stop on a busy box

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from leakstorm import BAD_TEXT, long_model, text_prompt  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 PROMPT_TOKENS = 6000
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "8192", "--max-num-seqs", "4", "--max-num-batched-tokens", "2048"]

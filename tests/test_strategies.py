@@ -25,7 +25,7 @@ import pytest
 from conftest import GuardServer
 from streams import StreamResult, run_load, summarize
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MAX_TOKENS = 16
 
