@@ -97,11 +97,13 @@ class Rig:
     def __init__(self, proxy: Proxy, upstream: Upstream, url: str) -> None:
         self.proxy, self.upstream, self.url = proxy, upstream, url
         self.errors: list[int] = []
+        self.current: Target | None = None  # the last target set: the one the proxy routes to
 
     async def target(self, generation: int = 1, limit: int | None = None) -> Target:
         t = Target(generation=generation, url=unix_url(str(self.upstream.sock)), limit=limit)
         t.open(60.0)
         await self.proxy.set_target(t)
+        self.current = t
         return t
 
 
@@ -118,8 +120,8 @@ def run(tmp_path: Path, scenario: Callable[[Rig], Awaitable[None]], **server: An
         try:
             await scenario(rig)
         finally:
-            if proxy.target is not None:
-                await proxy.target.close()
+            for route in list(proxy.router.routes):
+                await route.target.close()
             await proxy.stop()
             await up.stop()
 
@@ -262,7 +264,7 @@ def test_the_retry_goes_to_the_next_generation_when_one_comes(tmp_path: Path) ->
         assert r.status == 200 and "[DONE]" in text
         assert r.headers["X-Vllm-Guard-Generation"] == "2"
         assert rig.upstream.hits["/v1/completions"] == 2
-        assert old.dispatched == 0 and rig.proxy.target is not None and rig.proxy.target.dispatched == 1
+        assert old.dispatched == 0 and rig.current is not None and rig.current.dispatched == 1
         await old.close()
 
     run(tmp_path, scenario)
