@@ -28,7 +28,7 @@ from vllm_guard.core import plugin as contract
 from vllm_guard.core.config import from_data
 from vllm_guard.core.protocol import PatchProcessReport, Role
 from vllm_guard.core.vllm_api import PROBE_ID_PREFIX
-from vllm_guard.patches import registry
+from vllm_guard.patches import defs, registry
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +146,7 @@ def test_every_process_writes_a_report_the_runtime_decodes(server: PlainServer) 
     for pid, r in reports.items():
         assert int(pid) == r.pid and r.pid in tree and r.alive
         assert r.generation == str(GENERATION) and r.vllm_version == version and r.error is None
-        assert set(r.patches) == {"kv-block-audit", "idle-release", "allocator-settings", "fault-injection"}
+        assert set(r.patches) == {d.id for d in defs.ALL}
         assert r.patches["idle-release"].state == "applied", r.patches["idle-release"]
         alloc = r.patches["allocator-settings"]
         assert alloc.state == "applied", alloc  # from child_env, as the runtime sets it
