@@ -49,8 +49,21 @@ def complete(s: GuardServer, n_words: int = 30, max_tokens: int = 8, client: htt
     assert r.status_code == 200, r.text
 
 
+def backend_get(s: GuardServer, path: str, timeout: float = 30) -> httpx.Response:
+    """GET on vLLM itself, through the backend's Unix socket (the public port serves only the
+    OpenAI API: /metrics and /health there are the guard's or refused)."""
+    from vllm_guard.core.vllm_api import unix_socket_of
+
+    backend = s.status()["backend_url"]
+    sock = unix_socket_of(backend)
+    if sock is None:
+        return httpx.get(backend + path, timeout=timeout)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=timeout) as c:
+        return c.get("http://vllm" + path)
+
+
 def kv_usage(s: GuardServer) -> float:
-    text = httpx.get(s.url + "/metrics", timeout=30).text
+    text = backend_get(s, "/metrics").text
     vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith("vllm:kv_cache_usage_perc{")]
     assert vals, "no vllm:kv_cache_usage_perc in /metrics"
@@ -216,7 +229,7 @@ class TestAudited:
         (h,) = injected(server, "hang")
         assert h["n"] == HANG_AT
         assert h["pid"] == reports_by_role(server)["engine_core"]["pid"]
-        assert httpx.get(server.status()["backend_url"] + "/health", timeout=5).status_code == 200
+        assert backend_get(server, "/health", timeout=5).status_code == 200
 
 
 SITECUSTOMIZE = textwrap.dedent('''
