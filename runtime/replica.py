@@ -253,9 +253,10 @@ class Replica:
     async def begin_recycle(self, reason: str, cls: EndClass) -> None:
         sup, gen = self.sup, self._current()
         t, q = gen.target, sup.proxy.queued
-        choice = await successor.choose_strategy(self, gen)
-        rec = RecycleRecord(reason=reason, cls=cls, started=utcnow(), in_flight=t.in_flight, queued=q,
-                            generation=gen.number, started_mono=time.monotonic(), replica=self.index,
+        in_flight, started, started_mono = t.in_flight, utcnow(), time.monotonic()  # the moment of the decision:
+        choice = await successor.choose_strategy(self, gen)  # measuring takes a while; requests end meanwhile
+        rec = RecycleRecord(reason=reason, cls=cls, started=started, in_flight=in_flight, queued=q,
+                            generation=gen.number, started_mono=started_mono, replica=self.index,
                             strategy=choice.strategy.value, strategy_reason=choice.reason)
         rec.ledger_id = sup.ledger.recycle_started(gen.number, reason, cls.value, rec.in_flight, q, self.index,
                                                    rec.strategy)

@@ -98,7 +98,13 @@ def report(*args: str) -> str:
 
 
 def color_pixels(img: np.ndarray, rgb: tuple[int, int, int]) -> int:
-    return int((np.abs(img - np.array(rgb)).sum(axis=2) <= 12).sum())
+    """Pixels of `rgb` drawn over the white background at any opacity of 30 % or more (scatter
+    points are half transparent: only where several overlap is the colour itself reached)."""
+    white, c = np.array([255.0, 255.0, 255.0]), np.array(rgb, float)
+    d = img.astype(float) - white
+    a = (d @ (c - white)) / ((c - white) @ (c - white))  # opacity along white -> colour
+    off = np.abs(d - a[..., None] * (c - white)).sum(axis=2)  # distance from that line
+    return int(((a >= 0.3) & (a <= 1.05) & (off <= 18)).sum())
 
 
 PROBE = """<script>
