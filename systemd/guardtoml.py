@@ -71,6 +71,15 @@ HELP: dict[str, dict[str, str]] = {
         "header_timeout": "a new connection must send its request headers within this time",
         "idle_timeout": "a kept-alive connection idle (or a body that stalls) this long is closed",
         "max_connections": "client connections at once; 0: derived from the open-file limit",
+        "recycle_strategy": "how a generation is replaced: \"auto\" (overlap when two fit, else gated, "
+                            "else cold), \"overlap\", \"gated\" or \"cold\" (docs/RUNTIME.md)",
+        "overlap_margin_mb": "headroom (GPU and host RAM) kept beyond a second generation's footprint "
+                             "before overlap is chosen",
+        "gate_timeout": "a gated next generation must reach its gate (before CUDA) within this time",
+        "replicas": "vLLM servers behind the one proxy (one per GPU or tensor-parallel group); they recycle "
+                    "one at a time",
+        "gpus": "GPU indexes or UUIDs, one replica per GPU (or per --tensor-parallel-size GPUs); "
+                "empty: every replica gets the runtime's own environment (CPU, or several servers sharing a GPU)",
     },
     "recycle": {
         "max_requests": "recycle a generation after this many requests (probes never count); 0: off",
