@@ -28,7 +28,8 @@ test: venv
 	bash .ci/system-deps
 	$(PY) -m pytest -m "not vm and not long" -p no:cacheprovider
 
-# The files with many vLLM starts (recycle strategies and replicas, the whole-runtime fault suite,
-# the soak journeys, leak attribution on the real upstream leak): ~45 min on 2 cores.
+# The tests with many vLLM starts or long loads (recycle strategies and replicas, the whole-runtime
+# fault suite, the soak journeys, leak attribution, the watchdog end to end, the memory and idle
+# triggers, the runtime's own end): ~65 min on 2 cores. `make test` stays near 30 min.
 test-long: venv
 	$(PY) -m pytest -m "long" -p no:cacheprovider

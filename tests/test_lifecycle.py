@@ -19,7 +19,7 @@ import pytest
 from conftest import GuardServer
 from streams import run_load, summarize
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def processes_of(state_dir: Path) -> list[int]:

@@ -154,6 +154,7 @@ async def _load(url: str, n: int, cancel_every: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_real_injected_engine_leak_is_attributed_to_completed_requests(guard_factory: Any, tmp_path: Path) -> None:
     srv = guard_factory(env={"VLLM_GUARD_INJECT": f"host_leak_mb_per_request={LEAK_MB}"})
     srv.wait_serving()

@@ -65,7 +65,8 @@ def wait_status(guard: GuardServer, pred: Callable[[StatusSnapshot], bool], time
 
 
 def soak(*args: str, timeout: float = 600) -> dict:
-    out = subprocess.run([GUARD, "soak", "--no-progress", "--scenario", "custom", *args],
+    scenario = [] if "--resume" in args else ["--scenario", "custom"]  # a resumed run keeps its stored load
+    out = subprocess.run([GUARD, "soak", "--no-progress", *scenario, *args],
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -23,7 +23,7 @@ from conftest import GUARD_CMD, VLLM_ARGS, GuardServer
 from vllm_guard.core import admin
 from vllm_guard.core.protocol import RuntimeState, StatusSnapshot
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 KEY = "SECRET-7f3a"
 
