@@ -35,7 +35,7 @@ import aiohttp
 import psutil
 import pytest
 
-from conftest import GuardServer
+from conftest import GuardServer, processes_of
 from vllm_guard.core import ledger as L
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.long]
@@ -46,23 +46,6 @@ DEV_ENDPOINTS = ["/scale_elastic_ep", "/v1/responses/resp_1/cancel", "/sleep", "
 
 def figure(text: str) -> None:
     print(f"\n[figure] {text}", flush=True)
-
-
-def processes_of(state_dir: Path) -> list[int]:
-    """Live processes started for this state dir (the runtime puts it in every vLLM child's env)."""
-    needle = f"VLLM_GUARD_STATE_DIR={state_dir.resolve()}".encode()
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            env = (d / "environ").read_bytes()
-            st = (d / "stat").read_text()
-        except OSError:
-            continue
-        if needle in env.split(b"\0") and st.rsplit(")", 1)[1].split()[0] != "Z":
-            found.append(int(d.name))
-    return found
 
 
 @contextlib.contextmanager

@@ -16,28 +16,10 @@ from typing import Any
 
 import pytest
 
-from conftest import GuardServer
+from conftest import GuardServer, processes_of
 from streams import run_load, summarize
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
-
-
-def processes_of(state_dir: Path) -> list[int]:
-    """Every process on the box started for this state dir (the runtime puts it in the env of
-    each vLLM generation; grandchildren inherit it)."""
-    needle = f"VLLM_GUARD_STATE_DIR={state_dir.resolve()}".encode()
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            env = (d / "environ").read_bytes()
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        if needle in env.split(b"\0") and stat.rsplit(")", 1)[1].split()[0] != "Z":
-            found.append(int(d.name))
-    return found
 
 
 def keeper_of(state_dir: Path) -> list[int]:
