@@ -17,7 +17,12 @@ moves in lockstep with another (collinear), cannot be told apart: it is left out
 
 The named cause is the feature with the largest share of the growth (beta_k times its total
 change) among those whose interval excludes zero; the others show their cost, or 0 when their
-interval includes zero.
+interval includes zero. Two rules keep a short or steady run from naming nonsense: a feature
+that moved in fewer than MIN_MOVES intervals is never named (one cancelled request is not
+evidence), and no cause is named when the one found would explain more than
+MAX_EXPLAINED_SHARE times the growth the process showed: that happens when features move
+almost together (constant load: completed requests and time), and the fit then trades huge
+opposite costs that cancel.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ TIME = "time"
 KINDS = {"rss_mb": "RSS", "uss_mb": "USS", "gpu_mb": "GPU"}
 ROLE_NAMES = {"api_server": "API server", "engine_core": "EngineCore", "worker": "worker", "helper": "helper"}
 MIN_INTERVALS = 8
+MIN_MOVES = 5  # intervals in which a feature changed before it can be named as a cause
+MAX_EXPLAINED_SHARE = 1.5  # a named cause explains at most this times the observed growth
 
 
 @dataclass(frozen=True)
@@ -154,11 +161,17 @@ def attribute(obs: list[Obs], confidence: float = 0.90) -> dict[str, Any]:
         lo, hi = b - tq * se, b + tq * se
         feats.append({"feature": c, "unit": FEATURES[c][1] if c in FEATURES else "hour",
                       "mb_per_unit": b, "low": lo, "high": hi, "significant": lo > 0 or hi < 0,
-                      "total_units": totals[c], "explained_mb": b * totals[c]})
-    sig = [f for f in feats if f["significant"] and f["explained_mb"] > 0]
+                      "total_units": totals[c], "explained_mb": b * totals[c],
+                      "moves": int(np.count_nonzero(x[:, i]))})
+    sig = [f for f in feats if f["significant"] and f["explained_mb"] > 0 and f["moves"] >= MIN_MOVES]
     cause = max(sig, key=lambda f: f["explained_mb"]) if sig else None
+    note = "" if cause else "no feature explains growth at this confidence"
+    if cause is not None and cause["explained_mb"] > MAX_EXPLAINED_SHARE * max(growth, 0.0):
+        note = (f"no cause named: {cause['feature']} would explain {cause['explained_mb']:.3g} MB of "
+                f"{growth:.3g} MB of growth (features that move together, e.g. steady load and time)")
+        cause = None
     return {**base, "features": feats, "cause": cause["feature"] if cause else None, "growth_mb": growth,
-            "note": "" if cause else "no feature explains growth at this confidence"}
+            "note": note}
 
 
 def _num(v: float) -> str:
