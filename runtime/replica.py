@@ -254,13 +254,13 @@ class Replica:
         sup, gen = self.sup, self._current()
         t, q = gen.target, sup.proxy.queued
         in_flight, started, started_mono = t.in_flight, utcnow(), time.monotonic()  # the moment of the decision:
-        choice = await successor.choose_strategy(self, gen)  # measuring takes a while; requests end meanwhile
+        sup.proxy.counters.max_queued = q  # the queue's high-water mark counts from here
+        choice = await successor.choose_strategy(self, gen)  # measuring takes a while; requests end and queue
         rec = RecycleRecord(reason=reason, cls=cls, started=started, in_flight=in_flight, queued=q,
                             generation=gen.number, started_mono=started_mono, replica=self.index,
                             strategy=choice.strategy.value, strategy_reason=choice.reason)
         rec.ledger_id = sup.ledger.recycle_started(gen.number, reason, cls.value, rec.in_flight, q, self.index,
                                                    rec.strategy)
-        sup.proxy.counters.max_queued = q
         self.recycle = sup.recycles.add(rec)
         self.last_strategy = rec.strategy
         self.end_reason = (reason, cls)
