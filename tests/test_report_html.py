@@ -33,7 +33,11 @@ def _iso(s: float) -> str:
 
 
 def make_ledger(path: Path, gpu: str, leak_mb: float) -> None:
-    """Two generations with a recycle, soak requests, soak memory samples, watchdog NVML ticks."""
+    """Two generations with a recycle, soak requests, soak memory samples, watchdog NVML ticks.
+    The ledger ends about now: the open generation counts up to now, so BASE is taken here (at
+    import it would be as old as the test session)."""
+    global BASE
+    BASE = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=2)
     conn = L.connect(path)
     conn.execute("INSERT INTO generations (generation, started_at, ready_at, ended_at, end_class, end_reason, "
                  "boot_id, gpu_name, model) VALUES (1, ?, ?, ?, 'scheduled', 'max_requests', 'b', ?, 'tiny')",
