@@ -33,17 +33,37 @@ from .statusfmt import format_status
 MAX_TOKENS = 16
 
 
+async def _force_recycle(state_dir: Path, timeout: float = 600.0) -> None:
+    """The operator's graceful recycle. While one is already under way (the `max_requests` one)
+    the runtime refuses it and says why: try again until it is taken."""
+    req = CommandRequest(command=Command.RECYCLE, reason="demo: forced by operator")
+    end, told = time.monotonic() + timeout, False
+    while True:
+        try:
+            await admin.send(state_dir, req)
+        except admin.CommandRefused as e:
+            if time.monotonic() > end:
+                raise
+            if not told:
+                told = True
+                print(f"\n  -> forced recycle refused for now ({e.reply.detail}): trying again", flush=True)
+            await asyncio.sleep(2.0)
+            continue
+        print("\n  -> forced a graceful recycle through the admin socket", flush=True)
+        return
+
+
 async def _load(url: str, model: str, total: int, concurrency: int, state_dir: Path) -> dict[str, Any]:
     sem = asyncio.Semaphore(concurrency)
     per_gen: dict[str, int] = {}
     failed = done = 0
-    forced = False
+    forced: list[asyncio.Task[None]] = []
     body = {"model": model, "prompt": "hello world", "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
 
     async with aiohttp.ClientSession() as session:
         async def one() -> None:
-            nonlocal failed, done, forced
+            nonlocal failed, done
             async with sem:
                 res, _ = await stream_completion(session, url, body, uuid.uuid4().hex, 600.0)
             done += 1
@@ -53,11 +73,10 @@ async def _load(url: str, model: str, total: int, concurrency: int, state_dir: P
             failed += not (res.error is None and res.output_tokens == MAX_TOKENS)
             print(f"\r  streamed {done}/{total}  failed {failed}  generations {sorted(per_gen)}", end="", flush=True)
             if done == total // 2 and not forced:
-                forced = True
-                await admin.send(state_dir, CommandRequest(command=Command.RECYCLE, reason="demo: forced by operator"))
-                print("\n  -> forced a graceful recycle through the admin socket", flush=True)
+                forced.append(asyncio.create_task(_force_recycle(state_dir)))
 
         await asyncio.gather(*(one() for _ in range(total)))
+        await asyncio.gather(*forced)
     print()
     return {"per_generation": per_gen, "failed": failed}
 
