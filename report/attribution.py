@@ -138,7 +138,8 @@ def _independent(x: np.ndarray, cols: list[str]) -> tuple[list[int], list[str]]:
 def attribute(obs: list[Obs], confidence: float = 0.90) -> dict[str, Any]:
     """Per-feature cost (MB per unit) with its interval, and the named cause."""
     x, y, cols, totals = _design(obs)
-    base: dict[str, Any] = {"intervals": int(len(y)), "features": [], "cause": None, "left_out": []}
+    base: dict[str, Any] = {"intervals": int(len(y)), "features": [], "cause": None, "left_out": [],
+                            "withheld": None}
     if len(y) < MIN_INTERVALS:
         return {**base, "note": f"{len(y)} tick intervals: too few to attribute (need {MIN_INTERVALS})"}
     keep, dropped = _independent(x, cols)
@@ -165,13 +166,13 @@ def attribute(obs: list[Obs], confidence: float = 0.90) -> dict[str, Any]:
                       "moves": int(np.count_nonzero(x[:, i]))})
     sig = [f for f in feats if f["significant"] and f["explained_mb"] > 0 and f["moves"] >= MIN_MOVES]
     cause = max(sig, key=lambda f: f["explained_mb"]) if sig else None
-    note = "" if cause else "no feature explains growth at this confidence"
+    note, withheld = ("" if cause else "no feature explains growth at this confidence"), None
     if cause is not None and cause["explained_mb"] > MAX_EXPLAINED_SHARE * max(growth, 0.0):
-        note = (f"no cause named: {cause['feature']} would explain {cause['explained_mb']:.3g} MB of "
-                f"{growth:.3g} MB of growth (features that move together, e.g. steady load and time)")
+        withheld = note = (f"no cause named: {cause['feature']} would explain {cause['explained_mb']:.3g} MB of "
+                           f"{growth:.3g} MB of growth (features that move together, e.g. steady load and time)")
         cause = None
     return {**base, "features": feats, "cause": cause["feature"] if cause else None, "growth_mb": growth,
-            "note": note}
+            "note": note, "withheld": withheld}
 
 
 def _num(v: float) -> str:

@@ -77,7 +77,7 @@ def render_text(f: dict[str, Any]) -> str:
         if p["features"]:
             feats = ", ".join(f"{x['feature']} {x['mb_per_unit']:+.3g} [{x['low']:.3g}, {x['high']:.3g}] MB/{x['unit']}"
                               for x in p["features"])
-            why = f" ({p['note']})" if p["note"].startswith("no cause named") else ""
+            why = f" ({p['withheld']})" if p["withheld"] else ""
             out.append(f"  cause? {p['role']} {p['metric']}: {feats}" + (f" -> {p['cause']}" if p["cause"] else why))
     if att.get("counters_missing"):
         out.append(f"  (not counted by this runtime, so not attributed: {', '.join(att['counters_missing'])})")
