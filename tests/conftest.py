@@ -31,6 +31,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One VLLM_CACHE_ROOT for every vLLM this session starts.
+
+    The runtime keeps vLLM's cache in each state dir, so in the field only a state dir's first
+    generation pays for vLLM's model-class inspection (a subprocess that imports torch and vLLM
+    again: ~20 s of CPU here). Every test has a fresh state dir, so without this every start in
+    the suite paid it. The runtime only sets the variable where the environment has none.
+    """
+    old = os.environ.get("VLLM_CACHE_ROOT")
+    path = old or str(tmp_path_factory.mktemp("vllm-cache"))
+    os.environ["VLLM_CACHE_ROOT"] = path
+    yield path
+    if old is None:
+        os.environ.pop("VLLM_CACHE_ROOT", None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The embedded model, built once per session (or reused from VLLM_GUARD_TINY_MODEL)."""
