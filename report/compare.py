@@ -57,6 +57,11 @@ def _leaks(f: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
             if p["metric"] in ("rss_mb", "gpu_mb") and p["per_100_requests"]["slope"] is not None}
 
 
+def _opening(sig: bool, claim: str) -> str:
+    """The start of a verdict line, up to the test's figures in parentheses."""
+    return f"{claim} (significant: " if sig else "no significant difference ("
+
+
 def leak_lines(fa: dict[str, Any], fb: dict[str, Any]) -> list[dict[str, Any]]:
     la, lb = _leaks(fa), _leaks(fb)
     out = []
@@ -70,8 +75,7 @@ def leak_lines(fa: dict[str, Any], fb: dict[str, Any]) -> list[dict[str, Any]]:
         better = _who(a["slope"] < b["slope"])
         sig = a["high"] < b["low"] or b["high"] < a["low"]
         out.append(_line(name, better, sig,
-                         f"{name}: " + (f"{better} grows slower (significant" if sig else "no significant difference (")
-                         + ": intervals "
+                         f"{name}: " + _opening(sig, f"{better} grows slower") + "intervals "
                          f"A [{a['low']:.3g}, {a['high']:.3g}], B [{b['low']:.3g}, {b['high']:.3g}] MB/100 requests)",
                          "interval overlap"))
     return out
@@ -97,9 +101,9 @@ def latency_lines(da: LedgerData, db: LedgerData, alpha: float) -> list[dict[str
         pa, pb = float(np.percentile(a, 99)), float(np.percentile(b, 99))
         better = _who(ma < mb)
         sig = p < alpha
-        head = f"{better} is faster (significant" if sig else "no significant difference ("
+        head = _opening(sig, f"{better} is faster")
         out.append(_line(name, better, sig,
-                         f"{name}: {head}, Mann-Whitney p = {p:.2g}): median {ma * 1000:.1f} vs {mb * 1000:.1f} ms, "
+                         f"{name}: {head}Mann-Whitney p = {p:.2g}): median {ma * 1000:.1f} vs {mb * 1000:.1f} ms, "
                          f"P99 {pa * 1000:.1f} vs {pb * 1000:.1f} ms", "Mann-Whitney U", p))
     return out
 
@@ -116,9 +120,9 @@ def errors_line(fa: dict[str, Any], fb: dict[str, Any], alpha: float) -> dict[st
     p = float(stats.fisher_exact([[ea, na - ea], [eb, nb - eb]]).pvalue)
     better = _who(ea / na < eb / nb)
     sig = p < alpha
-    head = f"{better} fails fewer requests (significant" if sig else "no significant difference ("
+    head = _opening(sig, f"{better} fails fewer requests")
     return _line("error rate", better, sig,
-                 f"error rate: {head}, Fisher p = {p:.2g}): {100 * ea / na:.3g} % vs {100 * eb / nb:.3g} %", "Fisher exact", p)
+                 f"error rate: {head}Fisher p = {p:.2g}): {100 * ea / na:.3g} % vs {100 * eb / nb:.3g} %", "Fisher exact", p)
 
 
 def _plain(name: str, a: float | None, b: float | None, higher_better: bool, fmt: str) -> dict[str, Any]:

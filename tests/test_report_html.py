@@ -203,6 +203,7 @@ def test_compare_page_answers_first(tmp_path: Path) -> None:
     assert first.startswith("B (NVIDIA A100-SXM4-80GB) is better"), first
     assert "leak engine_core host RSS: B grows slower (significant" in v["verdict"]
     assert "unplanned failures: no significant difference" in v["verdict"]
+    assert not re.search(r"\([:,]", v["verdict"]), v["verdict"]  # every "(" opens words, not "(: " or "(, "
     assert v["verdict_top"] < 200
     assert len(v["plots"]) == 8 and all(p["w"] >= 800 for p in v["plots"])
 
