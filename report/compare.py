@@ -146,7 +146,9 @@ def verdict_lines(fa: dict[str, Any], da: LedgerData, fb: dict[str, Any], db: Le
     lines.append(_plain("throughput (output tok/s)", fa["latency"].get("output_tokens_per_s"),
                         fb["latency"].get("output_tokens_per_s"), True, "{:.1f}"))
     ca, cb = fa["cost"].get("per_million_tokens"), fb["cost"].get("per_million_tokens")
-    lines.append(_plain("cost per M tokens", ca and ca["cost"], cb and cb["cost"], False, "{:,.2f}"))
+    cur = {(f.get("prices") or {}).get("currency") for f in (fa["cost"], fb["cost"])} - {None}
+    unit = f" {cur.pop()}" if len(cur) == 1 else ""
+    lines.append(_plain("cost per M tokens", ca and ca["cost"], cb and cb["cost"], False, "{:,.2f}" + unit))
     ta, tb = fa["cost"].get("tokens_per_kwh"), fb["cost"].get("tokens_per_kwh")
     lines.append(_plain("tokens per kWh", ta, tb, True, "{:,.0f}"))
     sig = [x for x in lines if x["significant"] and x["better"]]

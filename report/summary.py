@@ -61,7 +61,7 @@ def recycles_line(s: dict[str, Any]) -> str:
     served = s["requests_served"]
     per_gen = served / s["generations"] if s["generations"] else 0
     return (f"Recycles: {planned} planned ({r['scheduled']} scheduled, {r['preventive']} preventive), "
-            f"{s['failures_unplanned']} unplanned; {served} requests in {s['generations']} generations "
+            f"{s['failures_unplanned']} unplanned; {served} requests in {s['generations']} generation{'' if s['generations'] == 1 else 's'} "
             f"({per_gen:.0f} per generation)")
 
 

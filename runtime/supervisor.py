@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import sys
 import time
 from pathlib import Path
@@ -127,8 +128,6 @@ class Supervisor:
 
     def replica_gpus(self, rep: Replica) -> list[str]:
         static = self.nvml.static if self.nvml is not None and self.nvml.available else []
-        import os
-
         return replicas.replica_uuids(static, rep.plan, {**os.environ, **rep.plan.env()})
 
     # -- the runbook ---------------------------------------------------------------------------
