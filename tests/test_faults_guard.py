@@ -332,6 +332,8 @@ def test_a_full_disk_delays_the_ledger_not_serving_and_it_catches_up(guard: Guar
     recovery = time.monotonic() - freed_at
     assert st["ledger"]["failed_writes"] == 0, st["ledger"]
     guard.srv.wait_serving(gen0 + 1, 400)
+    # a generation that came up after the catch-up queued its ready_at then: written soon after
+    guard.srv.wait_for(lambda s: s["ledger"]["pending_writes"] == 0, 60, "the ready_at write")
     rows = ledger_rows(guard.state, f"SELECT trigger, ready_at FROM recycles WHERE generation = {gen0}")
     assert rows and rows[-1][1], rows
     figure(f"state dir disk full for {freed_at - full_at:.0f} s: requests served, the recycle went on "
