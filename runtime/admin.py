@@ -76,6 +76,14 @@ async def start(sup: Supervisor) -> web.AppRunner:
         except KeyError as e:
             await runner.cleanup()
             raise ConfigError(f"[server] admin_group has value {group!r}: no such group") from e
-        os.chown(path, -1, gid)
+        # Under the unit the socket is born in its group (Group= is admin_group); chown only when it
+        # is not: the unit's SystemCallFilter=~@privileged denies chown(2) with EPERM.
+        if os.stat(path).st_gid != gid:
+            try:
+                os.chown(path, -1, gid)
+            except PermissionError as e:
+                await runner.cleanup()
+                raise ConfigError(f"[server] admin_group has value {group!r}: the admin socket cannot be given that "
+                                  f"group ({e.strerror}); make it the runtime's own group (the unit's Group=)") from e
     os.chmod(path, sup.cfg.server.admin_mode)
     return runner

@@ -62,6 +62,7 @@ rc=$?
 state=$(systemctl show -p ActiveState --value vllm-guard.service)
 result install_ready "$(yes_if [ $rc = 0 ] && [ "$state" = active ])" \
   "exit $rc after $((SECONDS - t0)) s; ActiveState=$state; $(systemctl show -p StatusText --value vllm-guard.service)"
+[ $rc = 0 ] || { systemctl status --no-pager vllm-guard.service | head -20; journalctl -u vllm-guard.service --no-pager -o cat | tail -40; }
 grep -A12 '^\[recycle\]' /etc/vllm-guard/guard.toml
 
 say "the soak unit, open loop at 1 req/s for $SOAK_MIN min; restarted once: it continues its run"
