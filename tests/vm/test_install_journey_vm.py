@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from test_systemd_vm import HERE, boot, image  # noqa: F401 - `image` is a fixture used below
+from test_systemd_vm import HERE, VM_TIMEOUT_S, boot, image  # noqa: F401 - `image` is a fixture used below
 
 STEPS = ("hidden_venv_refused", "no_vllm_refused_by_systemd_run", "install_ready", "soak_unit", "status_no_flags",
          "report_no_flags", "uninstall_keeps_ledger")
@@ -31,6 +31,7 @@ STEPS = ("hidden_venv_refused", "no_vllm_refused_by_systemd_run", "install_ready
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vm,
+    pytest.mark.timeout(VM_TIMEOUT_S + 1500),  # as in test_systemd_vm.py
     pytest.mark.skipif(os.environ.get("VLLM_GUARD_VM") != "1", reason="set VLLM_GUARD_VM=1 (boots a guest, ~15 min)"),
 ]
 

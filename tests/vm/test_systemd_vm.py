@@ -37,6 +37,10 @@ VM_TIMEOUT_S = 1800
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.vm,
+    # the guest's own bound, plus the image build (once) and the model: on a loaded 2-core box the
+    # steps take several times their idle time (pytest's default 15 min cut a run that was passing)
+    pytest.mark.timeout(VM_TIMEOUT_S + 1500),
     pytest.mark.skipif(os.environ.get("VLLM_GUARD_VM") != "1", reason="set VLLM_GUARD_VM=1 (boots a VM, ~12 min)"),
 ]
 
