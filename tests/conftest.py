@@ -108,7 +108,7 @@ class GuardServer:
             time.sleep(0.5)
         raise TimeoutError(f"timed out waiting for {what}; last status: {json.dumps(last)[:2000]}\n{self.tail()}")
 
-    def wait_serving(self, generation: int = 1, timeout: float = 300.0) -> dict[str, Any]:
+    def wait_serving(self, generation: int = 1, timeout: float = 600.0) -> dict[str, Any]:
         return self.wait_for(lambda s: s["state"] == "serving" and s["generation"] >= generation,
                              timeout, f"generation {generation} serving")
 

@@ -38,7 +38,7 @@ def srv(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[G
                     vllm_args=["--enforce-eager", "--max-model-len", "4096", "--max-num-seqs", "2"])
     s.start()
     try:
-        s.wait_serving(1, 300)
+        s.wait_serving(1, 600)
         yield s
     finally:
         s.stop()
@@ -107,7 +107,7 @@ def test_kill_9_of_engine_core_restores_service_and_retries_unstarted_requests(s
     # only once the engine is done.)
     for r in first:
         assert r.ok or (r.status == 200 and r.error is not None), r
-    st = srv.wait_serving(gen + 1, 300)
+    st = srv.wait_serving(gen + 1, 600)
     assert st["failures"] == 1
     f = st["recent_failures"][0]
     assert f["kind"] == "crash" and f["restored_at"] is not None
@@ -125,7 +125,7 @@ def test_sigstop_of_engine_core_is_a_hang_detected_by_the_probe(srv: GuardServer
     pids = [c["pid"] for c in st["children"]]
     pid = engine_pid(st)
     first, later, t_fault = asyncio.run(storm(srv, 6, 4000, lambda: os.kill(pid, signal.SIGSTOP), 4))
-    st = srv.wait_serving(gen + 1, 300)
+    st = srv.wait_serving(gen + 1, 600)
     hang = [f for f in st["recent_failures"] if f["kind"] == "hang"]
     assert len(hang) == 1
     events = srv.events()

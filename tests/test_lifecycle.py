@@ -68,7 +68,7 @@ def test_a_killed_runtime_leaves_served_counts_and_its_successor_reaps_the_orpha
     first = GuardServer(tiny_model, state, args=["--config", str(state / "guard.toml")]).start()
     second = None
     try:
-        first.wait_serving(1, 300)
+        first.wait_serving(1, 600)
         results = asyncio.run(run_load(first.url, first.model, 12, 4, 8))
         assert summarize(results, 8).ok == 12
         # the served count reaches the ledger while the generation serves
@@ -91,7 +91,7 @@ def test_a_killed_runtime_leaves_served_counts_and_its_successor_reaps_the_orpha
         assert set(vllm) & set(processes_of(state)), "nothing was orphaned: the case was not exercised"
 
         second = GuardServer(tiny_model, state, args=["--config", str(state / "guard.toml")]).start()
-        st = second.wait_serving(2, 300)
+        st = second.wait_serving(2, 600)
         assert st["generation"] == 2, "generation numbers restarted with the new runtime"
         killed = [e for e in second.events() if e.get("event") == "orphan_generation_killed"]
         assert killed and killed[0]["generation"] == 1

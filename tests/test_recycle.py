@@ -87,7 +87,7 @@ def served(tiny_model: str, perm_group: str) -> Iterator[tuple[GuardServer, Noti
     )
     srv.start()
     try:
-        srv.wait_serving(1, timeout=300)
+        srv.wait_serving(1, timeout=600)
         yield srv, notify
     finally:
         srv.stop()
@@ -202,12 +202,12 @@ def test_hold_and_release_and_manual_recycle(served: tuple[GuardServer, NotifySo
     srv.wait_for(lambda s: s["hold"] is None, 30, "release")
     assert not (srv.state_dir / "hold.json").exists()
     # released, the limit it passed is acted on
-    st = srv.wait_serving(gen + 1, 300)
+    st = srv.wait_serving(gen + 1, 600)
     assert st["recent_recycles"][-1]["reason"] == "max_requests"
     r = srv.admin("recycle", "--reason", "operator-test", "--class", "preventive")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("recycle: accepted: draining generation")
-    st = srv.wait_serving(gen + 2, 300)
+    st = srv.wait_serving(gen + 2, 600)
     last = st["recent_recycles"][-1]
     assert last["reason"] == "operator-test" and last["cls"] == "preventive"
     assert last["duration_s"] is not None and st["recycle_in_progress"] is None

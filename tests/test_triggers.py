@@ -43,7 +43,7 @@ def srv(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[G
     s = GuardServer(tiny_model, state, args=["--config", str(cfg), "--probe-interval", "30s"])
     s.start()
     try:
-        s.wait_serving(1, 300)
+        s.wait_serving(1, 600)
         yield s
     finally:
         s.stop()
@@ -61,7 +61,7 @@ def test_idle_past_idle_after_with_a_limit_partly_used_recycles_early(srv: Guard
     results = asyncio.run(run_load(srv.url, srv.model, 45, 4, 4))  # > 10 % of max_requests
     assert summarize(results, 4).ok == len(results)
     t_idle = time.monotonic()
-    st = srv.wait_serving(gen + 1, 300)
+    st = srv.wait_serving(gen + 1, 600)
     last = st["recent_recycles"][-1]
     assert (last["reason"], last["cls"]) == ("idle_opportunistic", "scheduled"), last
     assert time.monotonic() - t_idle >= 3.0
@@ -76,7 +76,7 @@ def test_host_rss_growth_triggers_a_preventive_recycle(srv: GuardServer) -> None
     time.sleep(1.5)
     results += asyncio.run(run_load(srv.url, srv.model, 106, 4, 4))
     assert summarize(results, 4).ok == len(results)
-    st = srv.wait_serving(gen + 1, 300)
+    st = srv.wait_serving(gen + 1, 600)
     last = st["recent_recycles"][-1]
     assert (last["reason"], last["cls"]) == ("host_rss_growth", "preventive"), last
     served_gen1 = [r for r in results if r.generation == str(gen)]

@@ -32,7 +32,7 @@ def typed_status(server: GuardServer) -> StatusSnapshot:
     return asyncio.run(admin.fetch_status(server.state_dir, 30))
 
 
-def wait_serving(server: GuardServer, timeout: float = 300) -> StatusSnapshot:
+def wait_serving(server: GuardServer, timeout: float = 600) -> StatusSnapshot:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if server.proc is not None and server.proc.poll() is not None:
