@@ -25,6 +25,18 @@ VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+# `make test` runs two xdist workers that take whole files in collection order (--dist loadfile):
+# the longest files go first so both workers finish near together (docs/BENCHMARKS.md).
+LONGEST_FIRST = ["test_failures.py", "test_recycle.py", "test_patches_server.py", "test_soak_real.py",
+                 "test_cancel_leak.py", "test_typecheck.py", "test_patches_unit.py", "test_gate_unit.py",
+                 "test_patches_plain.py"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
