@@ -26,7 +26,7 @@ demo: venv
 
 test: venv
 	bash .ci/system-deps
-	$(PY) -m pytest -m "not vm and not long" -p no:cacheprovider -n 2 --dist loadfile
+	$(PY) -m pytest -m "not vm and not long" -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 
 # The tests with many vLLM starts or long loads (recycle strategies and replicas, the whole-runtime
 # fault suite, the soak journeys, leak attribution, the watchdog end to end, the memory and idle

@@ -25,8 +25,8 @@ VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-# `make test` runs two xdist workers that take whole files in collection order (--dist loadfile):
-# the longest files go first so both workers finish near together (docs/BENCHMARKS.md).
+# `make test` runs two xdist workers that take whole files in collection order (`--dist loadfile
+# --no-loadscope-reorder`): the longest files go first so both workers finish near together.
 LONGEST_FIRST = ["test_failures.py", "test_recycle.py", "test_patches_server.py", "test_soak_real.py",
                  "test_cancel_leak.py", "test_typecheck.py", "test_patches_unit.py", "test_gate_unit.py",
                  "test_patches_plain.py"]
