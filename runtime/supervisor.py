@@ -53,6 +53,7 @@ log = structlog.get_logger("vllm_guard.supervisor")
 
 TICK_S = 0.25
 OVERRUN_GRACE_S = 60.0
+SLOW_TURN_S = 5.0  # a loop turn this long is logged (supervisor_turn_slow): WATCHDOG=1 waits for it
 
 __all__ = ["FAULT_VAR", "InjectedFault", "Supervisor", "TICK_S"]
 
@@ -135,15 +136,28 @@ class Supervisor:
         try:
             await lifecycle.open_runtime(self, admin_start)
             while not self._done():
+                t0 = time.monotonic()
                 await self._sleep()
+                t1 = time.monotonic()
                 await self.commands.handle()
+                t2 = time.monotonic()
                 for rep in self.replicas:
                     await rep.step()
+                t3 = time.monotonic()
                 await self._heartbeat()
+                self._note_slow_turn(t0, t1, t2, t3, time.monotonic())
         finally:
             await lifecycle.close_runtime(self)
         log.info("runtime_exited", exit_code=self.exit_code)
         return self.exit_code
+
+    def _note_slow_turn(self, t0: float, t1: float, t2: float, t3: float, t4: float) -> None:
+        """One turn of the loop took long enough to delay WATCHDOG=1: say which part. A long
+        `sleep` is the event loop itself blocked or starved of CPU; the others are awaits."""
+        if t4 - t0 >= SLOW_TURN_S:
+            log.warning("supervisor_turn_slow", seconds=round(t4 - t0, 2), sleep_s=round(t1 - t0, 2),
+                        commands_s=round(t2 - t1, 2), replicas_s=round(t3 - t2, 2),
+                        heartbeat_s=round(t4 - t3, 2), states=[r.state.value for r in self.replicas])
 
     def _done(self) -> bool:
         return all(r.state is State.EXITING and not r.retiring for r in self.replicas)

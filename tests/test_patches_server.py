@@ -24,15 +24,15 @@ import httpx
 import psutil
 import pytest
 
-from conftest import GuardServer
+from conftest import FreezeWitness, GuardServer
 from vllm_guard.core import plugin as contract
 
 pytestmark = pytest.mark.slow
 
 WORDS = "alpha beta gamma delta river stone cloud light north paper green seven".split()
 ROLES = {"api_server", "engine_core", "worker"}
-IDLE_S = 2.0
-HANG_AT = 450  # past every other test of its server: the hang test tops up to it
+IDLE_S = 5.0  # longer than the stalls a loaded 2-core box gives a client between two requests
+HANG_AT = 1000  # past every other test of its server (a busy stretch may be redone): the hang test tops up to it
 CRASH_AT = 30
 _rng = random.Random(7)
 
@@ -101,9 +101,13 @@ def top_up(s: GuardServer, target: int) -> None:
     """Finish requests until the injector has counted exactly `target`."""
     n = counted(s)
     assert n <= target, (n, target)
-    with httpx.Client(timeout=120) as c:
-        for _ in range(target - n):
-            complete(s, n_words=10, max_tokens=2, client=c)
+    def loop(k: int) -> None:  # four clients; exactly `target - n` requests in all
+        with httpx.Client(timeout=120) as c:
+            for _ in range(k):
+                complete(s, n_words=10, max_tokens=2, client=c)
+    left = target - n
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(loop, [left // 4 + (1 if i < left % 4 else 0) for i in range(4)]))
     assert counted(s) == target
 
 
@@ -184,16 +188,31 @@ class TestAudited:
         def releases() -> Counter[str]:
             return Counter(r["role"] for r in events(server, "idle_release"))
 
-        time.sleep(IDLE_S + 1.5)  # the previous idle period has had its release
-        before = releases()
-        t0 = time.monotonic()
-        with ThreadPoolExecutor(2) as pool:  # a busy stretch several times longer than the idle delay
-            def loop(_: int) -> None:
-                with httpx.Client(timeout=120) as c:
-                    for _ in range(60):
-                        complete(server, n_words=20, max_tokens=16, client=c)
-            list(pool.map(loop, range(2)))
-        assert time.monotonic() - t0 > IDLE_S, "the busy stretch must outlast the idle delay"
+        def busy_stretch() -> tuple[float, float]:  # three times longer than the idle delay
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(2) as pool:
+                def loop(_: int) -> None:
+                    with httpx.Client(timeout=120) as c:
+                        for _ in range(100):  # at most: the hang test's HANG_AT allows for three stretches
+                            if time.monotonic() - t0 >= 3 * IDLE_S:
+                                break
+                            complete(server, n_words=20, max_tokens=16, client=c)
+                list(pool.map(loop, range(2)))
+            return t0, time.monotonic()
+
+        witness = FreezeWitness()
+        try:
+            for _ in range(3):  # a pause of the whole box stops the load too: such a stretch is redone
+                time.sleep(IDLE_S + 1.5)  # the previous idle period has had its release
+                before = releases()
+                t0, t1 = busy_stretch()
+                if witness.frozen_within(t0, t1) < 1.0:
+                    break
+            else:
+                pytest.fail(f"the box paused during every busy stretch: {witness.freezes}")
+        finally:
+            witness.stop()
+        assert t1 - t0 > IDLE_S, "the busy stretch must outlast the idle delay"
         assert releases() == before, "idle-release ran during a busy stretch"
         wait_until(lambda: all(releases()[r] == before[r] + 1 for r in ROLES), 4 * IDLE_S + 5,
                    "one release per process after the busy stretch")

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import GuardServer
+from conftest import FreezeWitness, GuardServer
 from streams import run_load, summarize
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
 TOTAL = 240
 CONCURRENCY = 8
-WATCHDOG_USEC = 10_000_000  # the unit default is 60 s; 3 s failed once with 4 vLLM jobs on 2 cores (a 3.27 s gap)
+WATCHDOG_USEC = 10_000_000  # the unit's default is 60 s
 
 
 class NotifySocket:
@@ -39,6 +39,7 @@ class NotifySocket:
         self.sock.bind(str(path))
         self.sock.settimeout(0.2)
         self.messages: list[tuple[float, str]] = []
+        self.witness = FreezeWitness()  # on the same clock as the messages
         self._stop = False
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._t.start()
@@ -55,6 +56,7 @@ class NotifySocket:
                 self.messages.append((time.monotonic(), line))
 
     def close(self) -> None:
+        self.witness.stop()
         self._stop = True
         self._t.join(2)
         self.sock.close()
@@ -149,16 +151,19 @@ def test_a_generation_that_inherits_a_backlog_does_not_recycle_on_it(served: tup
 
 def test_sd_notify_ready_status_and_watchdog_through_recycles(served: tuple[GuardServer, NotifySocket],
                                                               load_run: dict[str, Any]) -> None:
-    _, notify = served
+    srv, notify = served
     assert len(notify.lines("READY=1")) == 1
     statuses = [m for _, m in notify.lines("STATUS=")]
     assert any("serving" in s for s in statuses) and any("starting" in s for s in statuses)
     assert notify.lines("EXTEND_TIMEOUT_USEC=")
     pings = [t for t, _ in notify.lines("WATCHDOG=1")]
     assert len(pings) > 10
-    # WATCHDOG=1 at half of WATCHDOG_USEC, never interrupted by the cold starts of recycles
-    gaps = [b - a for a, b in zip(pings, pings[1:])]
-    assert max(gaps) < WATCHDOG_USEC / 1e6, f"largest gap between pings {max(gaps):.2f}s"
+    # WATCHDOG=1 at half of WATCHDOG_USEC, never interrupted by the cold starts of recycles; a
+    # pause of the whole box (the witness saw this process frozen too) is not the runtime's
+    gaps = [(b - a) - notify.witness.frozen_within(a, b) for a, b in zip(pings, pings[1:])]
+    slow = [e for e in srv.events() if e.get("event") in ("supervisor_turn_slow", "state_overrun")]
+    assert max(gaps) < WATCHDOG_USEC / 1e6, (f"largest gap between pings {max(gaps):.2f}s besides box pauses "
+                                             f"{notify.witness.freezes}; slow turns: {slow}")
     starting_span = sum(1 for s in statuses if s.startswith("STATUS=starting"))
     assert starting_span >= 3
 
