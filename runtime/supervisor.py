@@ -151,13 +151,10 @@ class Supervisor:
         log.info("runtime_exited", exit_code=self.exit_code)
         return self.exit_code
 
-    def _note_slow_turn(self, t0: float, t1: float, t2: float, t3: float, t4: float) -> None:
-        """One turn of the loop took long enough to delay WATCHDOG=1: say which part. A long
-        `sleep` is the event loop itself blocked or starved of CPU; the others are awaits."""
-        if t4 - t0 >= SLOW_TURN_S:
-            log.warning("supervisor_turn_slow", seconds=round(t4 - t0, 2), sleep_s=round(t1 - t0, 2),
-                        commands_s=round(t2 - t1, 2), replicas_s=round(t3 - t2, 2),
-                        heartbeat_s=round(t4 - t3, 2), states=[r.state.value for r in self.replicas])
+    def _note_slow_turn(self, *marks: float) -> None:
+        parts = slow_turn(*marks)
+        if parts is not None:
+            log.warning("supervisor_turn_slow", **parts, states=[r.state.value for r in self.replicas])
 
     def _done(self) -> bool:
         return all(r.state is State.EXITING and not r.retiring for r in self.replicas)
@@ -300,6 +297,16 @@ class Supervisor:
     def send_status(self) -> None:
         self._status_sent = time.monotonic()
         self.notifier.status(status_line(self))
+
+
+def slow_turn(t0: float, t1: float, t2: float, t3: float, t4: float) -> dict[str, float] | None:
+    """Where a loop turn (sleep, commands, replicas, heartbeat: t0..t4) long enough to delay
+    WATCHDOG=1 went; None for a normal turn. A long `sleep_s` is the event loop itself blocked
+    or starved of CPU; the others are the turn's own awaits."""
+    if t4 - t0 < SLOW_TURN_S:
+        return None
+    return {"seconds": round(t4 - t0, 2), "sleep_s": round(t1 - t0, 2), "commands_s": round(t2 - t1, 2),
+            "replicas_s": round(t3 - t2, 2), "heartbeat_s": round(t4 - t3, 2)}
 
 
 # the router's grace after a failed request, re-exported for the docs and tests

@@ -16,6 +16,7 @@ from vllm_guard.runtime.hang import ProgressWindow, Verdict, miss_counts
 from vllm_guard.runtime.machine import INITIAL, TRANSITIONS, IllegalTransition, Machine, State
 from vllm_guard.runtime.records import FailureRecord, Recent
 from vllm_guard.runtime.status import visible_gpu_name
+from vllm_guard.runtime.supervisor import SLOW_TURN_S, slow_turn
 from vllm_guard.runtime.triggers import (
     GPU_MEMORY_GROWTH, HOST_RSS_GROWTH, IDLE_OPPORTUNISTIC, MAX_REQUESTS, MAX_UPTIME, Growth, Readings,
     counts_toward_limit, generation_limit, limit_fraction, recycle_trigger,
@@ -324,3 +325,15 @@ def test_the_gpu_name_follows_the_one_gpu_index_rule(env: dict[str, str], name: 
     nvml = SimpleNamespace(available=True, static=MIXED)
     assert visible_gpu_name(nvml, env) == name  # type: ignore[arg-type]
     assert visible_gpu_name(None, env) == ""
+
+
+def test_a_slow_loop_turn_says_where_its_time_went() -> None:
+    assert slow_turn(0.0, 0.25, 0.3, 0.4, 0.45) is None  # a normal turn says nothing
+    assert slow_turn(0.0, 0.25, 0.3, SLOW_TURN_S - 0.1, SLOW_TURN_S - 0.05) is None
+    # the loop itself blocked (or starved): the sleep took the time
+    assert slow_turn(0.0, 13.0, 13.0, 13.1, 13.1) == {"seconds": 13.1, "sleep_s": 13.0, "commands_s": 0.0,
+                                                       "replicas_s": 0.1, "heartbeat_s": 0.0}
+    # a replica's await took it
+    parts = slow_turn(0.0, 0.25, 0.25, 7.25, 7.3)
+    assert parts is not None and parts["replicas_s"] == 7.0 and parts["sleep_s"] == 0.25
+
