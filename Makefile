@@ -30,6 +30,8 @@ test: venv
 
 # The tests with many vLLM starts or long loads (recycle strategies and replicas, the whole-runtime
 # fault suite, the soak journeys, leak attribution, the watchdog end to end, the memory and idle
-# triggers, the runtime's own end): ~65 min on 2 cores. `make test` stays near 30 min.
+# triggers, the runtime's own end, two guards behind HAProxy): ~70 min on 2 cores. `make test`
+# stays near 30 min.
 test-long: venv
+	bash .ci/system-deps
 	$(PY) -m pytest -m "long" -p no:cacheprovider

@@ -38,6 +38,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tinymodel import tiny_model  # noqa: E402
 from leakstorm import (BAD_TEXT, ROLES, VllmServer, cancel_one, long_model, post,  # noqa: E402
                        request_bytes, text_prompt, theil_sen)
 
@@ -225,7 +226,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=os.environ.get("VLLM_GUARD_TINY_MODEL", "/work/wt/tiny-model"))
+    ap.add_argument("--model", default=None,
+                    help="model dir (default: $VLLM_GUARD_TINY_MODEL, else the embedded tiny model, built now)")
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--prompt-tokens", type=int, default=8000)
     ap.add_argument("--rounds", type=int, default=10)
@@ -239,6 +241,7 @@ def main() -> int:
     ap.add_argument("--fail-with", choices=sorted(BAD_XARGS), default="surrogate",
                     help="the vllm_xargs value that fails inside add_request: surrogate (0.32.0), bigint (0.25.1)")
     args = ap.parse_args()
+    args.model = tiny_model(args.model)
     FAIL_WITH[0] = args.fail_with
     root = Path(tempfile.mkdtemp(prefix="bench-cancel-leak-"))
     model = long_model(Path(args.model), root / "model", args.max_model_len)

@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tinymodel import tiny_model  # noqa: E402
 from leakstorm import free_port, long_model  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -130,13 +131,15 @@ def markdown(rows: list[dict[str, Any]], tok_s: float, args: argparse.Namespace)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=os.environ.get("VLLM_GUARD_TINY_MODEL", "/work/wt/tiny-model"))
+    ap.add_argument("--model", default=None,
+                    help="model dir (default: $VLLM_GUARD_TINY_MODEL, else the embedded tiny model, built now)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--leave-after", type=float, default=1.0)
     ap.add_argument("--cap", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.model = tiny_model(args.model)
     root = Path(tempfile.mkdtemp(prefix="bench-disconnect-"))
     model = str(long_model(Path(args.model), root / "model", 16384))
     port = free_port()

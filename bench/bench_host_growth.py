@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tinymodel import tiny_model  # noqa: E402
 from leakstorm import ROLES, VllmServer, post, text_prompt, theil_sen  # noqa: E402
 
 VLLM_ARGS = ("--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "16")
@@ -109,7 +110,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=os.environ.get("VLLM_GUARD_TINY_MODEL", "/work/wt/tiny-model"))
+    ap.add_argument("--model", default=None,
+                    help="model dir (default: $VLLM_GUARD_TINY_MODEL, else the embedded tiny model, built now)")
     ap.add_argument("--variants", default="v1,v1-noprefix", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of load after start-up")
     ap.add_argument("--batch", type=int, default=100)
@@ -121,6 +123,7 @@ def main() -> int:
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM argument (repeat), e.g. on a GPU")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.model = tiny_model(args.model)
     root = Path(tempfile.mkdtemp(prefix="bench-host-growth-"))
     model = Path(args.model)
     servers = [VllmServer(v, model, root, VARIANTS[v][0], VLLM_ARGS + VARIANTS[v][1] + tuple(args.vllm_arg))

@@ -32,8 +32,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from loadclient import RunResult, one_request  # noqa: E402
 
-from vllm_guard.runtime import admin  # noqa: E402
-from vllm_guard.runtime.backend import free_port  # noqa: E402
+from vllm_guard.runtime.records import admin
+from vllm_guard.runtime.child.backend import free_port
 from vllm_guard.core.timefmt import parse_iso  # noqa: E402
 
 

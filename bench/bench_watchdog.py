@@ -120,8 +120,8 @@ def measure_live(model: str, seconds: float, rate: float, tmp: Path) -> dict[str
         conn = sqlite3.connect(state / "ledger.sqlite")
         conn.row_factory = sqlite3.Row
         inc = [dict(r) for r in conn.execute("SELECT kind, data FROM incidents WHERE kind = 'memory_drift' ORDER BY id")]
-        rows = {r["source"]: json.loads(r["data"]) for r in conn.execute(
-            "SELECT source, data FROM samples WHERE id > (SELECT MAX(id) - 20 FROM samples)")}
+        rows = {(r["source"], r["replica"]): json.loads(r["data"]) for r in conn.execute(
+            "SELECT source, replica, data FROM samples WHERE id > (SELECT MAX(id) - 20 FROM samples)")}
         led_series = [(json.loads(a)["requests_total"], json.loads(b)) for a, b in conn.execute(
             "SELECT s.data, p.data FROM samples s JOIN samples p ON s.at = p.at AND s.source = 'status' "
             "AND p.source = 'procs' ORDER BY s.id")]
@@ -179,16 +179,17 @@ def min_span(series: list[tuple[float, dict[str, Any]]], warmup: float = 100, fl
     return {"points": None}
 
 
-def ledger_growth(rows: dict[str, Any], tmp: Path, hours: int = 48) -> dict[str, Any]:
+def ledger_growth(rows: dict[tuple[str, int | None], Any], tmp: Path, hours: int = 48) -> dict[str, Any]:
     from vllm_guard.core.samples import Tick
     from vllm_guard.core.vllm_api import EngineMetrics
     from vllm_guard.watchdog.store import WatchdogLedger
 
-    tick = Tick.from_sources("", rows)  # the rows as typed records, as the watchdog writes them
+    # the rows as typed records, as the watchdog writes them (box-wide, and per replica)
+    tick = Tick.from_rows("", [(src, rep, data) for (src, rep), data in rows.items()])
     typed = {"nvml": tick.nvml, "host": tick.host, "status": tick.status, "verdicts": tick.verdicts,
              "procs": {int(pid): p for pid, p in tick.procs.items()} if tick.procs else None,
-             "metrics": EngineMetrics(**{k: v for k, v in tick.metrics.items() if v is not None})
-             if tick.metrics else None}
+             "replicas": {int(i): (EngineMetrics(**{k: v for k, v in r.metrics.items() if v is not None})
+                                   if r.metrics else None, r.replica) for i, r in tick.replicas.items()}}
     now = [dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)]
     path = tmp / "sim" / "ledger.sqlite"
     lg = WatchdogLedger(path, now=lambda: now[0])
@@ -204,7 +205,8 @@ def ledger_growth(rows: dict[str, Any], tmp: Path, hours: int = 48) -> dict[str,
             sizes[f"{sec // 3600}h"] = round(path.stat().st_size / 2**20, 2)
     n = lg.conn.execute("SELECT COUNT(*) FROM samples").fetchone()[0]
     lg.close()
-    return {"row_bytes": {k: len(json.dumps(v, separators=(",", ":"))) for k, v in rows.items()},
+    return {"row_bytes": {f"{src}[{rep}]" if rep is not None else src: len(json.dumps(v, separators=(",", ":")))
+                          for (src, rep), v in rows.items()},
             "mb_by_age": sizes, "rows_kept": n, "sim_wall_s": round(time.monotonic() - t0, 1)}
 
 
@@ -221,9 +223,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="wdbench") as d:
         live = measure_live(args.model, args.seconds, args.rate, Path(d))
         rows = live.pop("last_rows")
-        if "nvml" not in rows:  # a CPU box has no NVML row: add an H200 one, as a GPU box writes
+        if ("nvml", None) not in rows:  # a CPU box has no NVML row: add an H200 one, as a GPU box writes
             fix = Path(__file__).resolve().parent.parent / "tests/fixtures/watchdog/nvml_h200_steady.jsonl"
-            rows["nvml"] = json.loads(fix.read_text().splitlines()[1])
+            rows[("nvml", None)] = json.loads(fix.read_text().splitlines()[1])
         led = ledger_growth(rows, Path(d), args.ledger_hours) if args.ledger_hours else {}
     out = {"live": live, "ledger": led}
     text = json.dumps(out, indent=2)

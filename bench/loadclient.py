@@ -60,10 +60,10 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, res:
 
 
 async def run(url: str, model: str, total: int, concurrency: int, max_tokens: int, label: str,
-              prompt: str = "hello world") -> RunResult:
+              prompt: str = "hello world", extra: dict | None = None) -> RunResult:
     res = RunResult(label=label)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0}
+            "ignore_eos": True, "temperature": 0, **(extra or {})}
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(total):
         queue.put_nowait(i)
@@ -81,11 +81,13 @@ async def run(url: str, model: str, total: int, concurrency: int, max_tokens: in
 
 
 def main() -> None:
-    """`python bench/loadclient.py URL MODEL TOTAL CONC MAX_TOKENS LABEL` -> one JSON line."""
+    """`python bench/loadclient.py URL MODEL TOTAL CONC MAX_TOKENS LABEL [BODY_JSON]` -> one JSON
+    line (BODY_JSON: more fields of every request's body)."""
     import sys
 
     url, model, total, conc, mt, label = sys.argv[1:7]
-    r = asyncio.run(run(url, model, int(total), int(conc), int(mt), label))
+    extra = json.loads(sys.argv[7]) if len(sys.argv) > 7 else None
+    r = asyncio.run(run(url, model, int(total), int(conc), int(mt), label, extra=extra))
     print(json.dumps({"label": r.label, "requests": r.requests, "failed": r.failed, "chunks": r.chunks,
                       "wall_s": r.wall_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
                       "generations": r.generations, "first_by_generation": r.first_by_generation}))

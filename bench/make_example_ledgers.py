@@ -6,11 +6,13 @@ driving open-loop load into the ledger. During the soak a client cancels streams
 (client disconnects, for the leak attribution) and, on boxes that ask for it, the EngineCore is
 killed once (a real crash: an unplanned failure). Then the reports and their screenshots:
 
-    flock /tmp/vllm-heavy.lock .venv/bin/python bench/make_example_ledgers.py \
+    flock /tmp/vllm-guard-cpu.lock .venv/bin/python bench/make_example_ledgers.py \
         [--model DIR] [--out docs/examples] [--keep DIR]
 
-On a GPU box pass `--model` and `--vllm-args` for the real model; the ledgers are copied to
-`--keep` (default: a temporary dir, printed). Writes `<out>/report-<box>.{html,txt,json,png}` and
+Without `--model` the embedded tiny model is built into a temporary dir. On a GPU box pass
+`--model` and `--vllm-args` for the real model; the ledgers are copied to `--keep` (default: a
+temporary dir, printed). The steady box has no injected leak (its report must forecast no out of
+memory); the leaky one leaks 0.4 MB per request in EngineCore (its report must). Writes `<out>/report-<box>.{html,txt,json,png}` and
 `<out>/compare.{html,txt,json,png}`.
 """
 
@@ -32,6 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tinymodel import tiny_model  # noqa: E402
+
 BIN = Path(sys.executable).parent
 GUARD = [str(BIN / "vllm-guard")] if (BIN / "vllm-guard").exists() else [sys.executable, "-m", "vllm_guard.cli"]
 CPU_VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16"]
@@ -52,7 +57,7 @@ class Box:
 # Sized for a 2-core box shared with other work: both boxes, reports and screenshots in ~20 min.
 BOXES = (
     Box("leaky", leak_mb=0.4, max_requests=350, crash_at=0.7, rate=4.0, requests=900),
-    Box("steady", leak_mb=0.05, max_requests=700, crash_at=None, rate=4.0, requests=900),
+    Box("steady", leak_mb=0.0, max_requests=700, crash_at=None, rate=4.0, requests=900),
 )
 
 
@@ -199,7 +204,8 @@ def screenshot(page: Path, png: Path, height: int = 2200) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=os.environ.get("VLLM_GUARD_TINY_MODEL", "/work/wt/tiny-model"))
+    ap.add_argument("--model", default=None,
+                    help="model dir (default: $VLLM_GUARD_TINY_MODEL, else the embedded tiny model, built now)")
     ap.add_argument("--vllm-args", default=" ".join(CPU_VLLM_ARGS), help="arguments for vLLM (one string)")
     ap.add_argument("--out", default="docs/examples")
     ap.add_argument("--keep", default=None, help="where the ledgers go (default: a new temporary dir)")
@@ -207,6 +213,8 @@ def main() -> int:
     ap.add_argument("--reports-only", action="store_true", help="reuse the ledgers in --keep")
     ap.add_argument("--prices", default="docs/examples/prices-field-report.toml")
     a = ap.parse_args()
+    if not a.reports_only:
+        a.model = tiny_model(a.model)
     root = Path(a.keep or tempfile.mkdtemp(prefix="vllm-guard-example-"))
     root.mkdir(parents=True, exist_ok=True)
     out = Path(a.out)
@@ -223,7 +231,8 @@ def main() -> int:
             print(f"{box.name}: ledger {db} in {time.monotonic() - t0:.0f} s", flush=True)
         dbs.append(db)
     prices = ["--prices", a.prices] if a.prices and Path(a.prices).exists() else []
-    report(out, f"report-{names[0]}", "--db", str(dbs[0]), *prices)
+    for name, db in zip([b.name for b in BOXES if b.name in names], dbs):
+        report(out, f"report-{name}", "--db", str(db), *prices)
     if len(dbs) == 2:
         report(out, "compare", "--compare", str(dbs[0]), str(dbs[1]), *prices)
     print(f"ledgers in {root}; reports in {out}")

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
+from . import vllm_api
+from . import leak
 from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -104,11 +106,6 @@ def _env_table(v: dict[str, str]) -> str | None:
     return None
 
 
-def _gpu_list(v: list[str]) -> str | None:
-    bad = [g for g in v if not _GPU_UUID.match(g)]
-    return f"{bad[0]!r} is not a GPU UUID (GPU-..., MIG-...)" if bad else None
-
-
 def _gpu_selectors(v: list[str]) -> str | None:
     bad = [g for g in v if not (g.isdigit() or _GPU_UUID.match(g))]
     return f"{bad[0]!r} is not a GPU index (0, 1, ...) or UUID (GPU-..., MIG-...)" if bad else None
@@ -136,6 +133,11 @@ class ServerConfig:
     # reach; an address (127.0.0.1): a TCP port there, which every local user can reach
     backend_host: str = _f("", check=_no_control)
     python: str = _f("", check=_no_control)  # interpreter for the vLLM child; empty: this one
+    # vLLM's processes run this many nice levels below the runtime, so the proxy every request
+    # passes through, the status answers and the supervisor's watchdog pings keep their CPU when
+    # the box is saturated (a busy-polling vLLM-CPU engine, tokenization bursts); 0: the same level.
+    # On a box with cores to spare it changes nothing.
+    backend_nice: int = _f(5, min=0, max=19)
     vllm_args: list[str] = _f([], check=_no_control)
     startup_timeout: Duration = _f(Duration(600.0), gt=0)
     drain_timeout: Duration = _f(Duration(120.0), gt=0)
@@ -143,7 +145,15 @@ class ServerConfig:
     memory_release_timeout: Duration = _f(Duration(60.0), gt=0)
     queue_size: int = _f(1024, min=1)
     queue_max_wait: Duration = _f(Duration(900.0), gt=0)
+    # times one request may move to another generation after its backend died under it: sent
+    # again whole (nothing had reached the client) or continued mid-stream; each move waits at
+    # most queue_max_wait for a backend (docs/RUNTIME.md "Requests that outlive their backend")
+    migration_limit: int = _f(3, min=0, max=100)
     retry_after: int = _f(10, min=1, max=3600)
+    # readiness (/vllm-guard/ready) turns 503 this long before a cold or gated recycle stops the
+    # serving generation, so a load balancer has moved traffic before the gap (HAProxy's
+    # `inter 2s fall 3` is 6 s); 0: unready only when the gap begins
+    unready_lead: Duration = _f(Duration(10.0), min=0, max=3600)
     admin_group: str = _f("", check=_no_control)
     admin_mode: int = _f(0o660, min=0, check=lambda v: None if v & ~0o770 == 0 and v & 0o600 == 0o600 else
                          f"0o{v:o} is not a mode for the admin socket: owner rw, group at most rwx, "
@@ -154,7 +164,7 @@ class ServerConfig:
     backoff_max: Duration = _f(Duration(60.0), gt=0)
     request_timeout: Duration = _f(Duration(3600.0), gt=0)
     access_log: bool = True  # one `request` event per proxied request (id, generation, status, TTFT)
-    # the runtime's own Prometheus metrics (runtime/metrics.py) on metrics_addr:metrics_port; 0: off
+    # the runtime's own Prometheus metrics (runtime/records/metrics.py) on metrics_addr:metrics_port; 0: off
     metrics_addr: str = _f("127.0.0.1", check=_no_control)
     metrics_port: int = _f(9465, min=0, max=65535)
     # The public port's bounds: a request body larger than max_body_mb is refused (413, before it is
@@ -168,11 +178,26 @@ class ServerConfig:
     header_timeout: Duration = _f(Duration(10.0), gt=0, max=3600)
     idle_timeout: Duration = _f(Duration(75.0), gt=0, max=86400)
     max_connections: int = _f(0, min=0, max=1_000_000)
+    # -- admission: what one request and one client may ask for (docs/RELIABILITY.md "Bounded
+    # requests"); refused with one JSON error, counted as rejected with its reason --
+    # n (and best_of) at most max_n (400), also vLLM's own cap (VLLM_MAX_N_SEQUENCES in every child)
+    max_n: int = _f(16, min=1, max=16384)
+    # a sequence's max_tokens (given, or vLLM's default: the context) at most this (400); 0: off
+    max_tokens: int = _f(0, min=0)
+    # sequences x max_tokens of one request at most this (400); 0: off
+    max_request_tokens: int = _f(32768, min=0)
+    # per client (its API key when vLLM demands keys, else its address): requests in flight (queued
+    # included) and the tokens they ask for, at most these (429 with Retry-After beyond); 0: off
+    max_client_requests: int = _f(256, min=0)
+    max_client_tokens: int = _f(524288, min=0)
     # -- recycling without a stall, replicas (docs/RUNTIME.md "Recycle strategies") --
     # auto: overlap when two generations fit in memory, else gated pre-start (GPU), else cold
     recycle_strategy: str = _f("auto", choices=RECYCLE_STRATEGIES)
     overlap_margin_mb: float = _f(1024.0, min=0)  # headroom kept beyond a second generation's footprint
     gate_timeout: Duration = _f(Duration(300.0), gt=0)  # a gated next generation must reach its gate by then
+    # auto: once a generation serves, its next one starts and parks at the startup gate while host RAM
+    # allows (a crash then restarts from the gate; a recycle uses it); off: none
+    standby: str = _f("auto", choices=("auto", "off"))
     replicas: int = _f(1, min=1, max=64)  # vLLM servers behind the one proxy (one per GPU or TP group)
     gpus: list[str] = _f([], check=_gpu_selectors)  # GPU indexes or UUIDs, one replica per GPU / TP group
 
@@ -186,10 +211,13 @@ class RecycleConfig:
     max_uptime: Duration = Duration(0.0)
     max_gpu_memory_growth_mb: float = _f(0.0, min=0)
     max_host_rss_growth_mb: float = _f(0.0, min=0)
-    memory_warmup_requests: int = _f(20, min=0)
+    memory_warmup_requests: int = _f(leak.WARMUP_REQUESTS, min=0)  # the one warm-up (core.leak)
     memory_interval: Duration = _f(Duration(5.0), min=0.2)
     idle_after: Duration = _f(Duration(30.0), gt=0)
     idle_fraction: float = _f(0.0, min=0.0, lt=1.0)  # 0 disables opportunistic early recycling
+    # while its successor starts beside it, a generation past max_requests may take this share of its
+    # limit more; then it drains anyway and the successor takes over when it is ready
+    max_requests_overrun: float = _f(0.5, min=0.0, max=100.0)
 
 
 @dataclass
@@ -212,10 +240,10 @@ class WatchdogConfig:
     interval: Duration = _f(Duration(1.0), min=0.01)
     dry_run: bool = False
     # memory drift
-    warmup_requests: int = _f(100, min=0)
-    drift_min_requests: int = _f(200, min=1)
-    drift_min_points: int = _f(20, min=3)
-    noise_floor_mb_per_100: float = _f(4.0, min=0)
+    warmup_requests: int = _f(leak.WARMUP_REQUESTS, min=0)  # the rule and its defaults: core.leak
+    drift_min_requests: int = _f(leak.MIN_REQUESTS, min=1)
+    drift_min_points: int = _f(leak.MIN_POINTS, min=3)
+    noise_floor_mb_per_100: float = _f(leak.NOISE_FLOOR_MB_PER_100, min=0)
     drift_every: Duration = _f(Duration(10.0), gt=0)
     forecast_horizon: Duration = _f(Duration(3600.0), gt=0)
     host_budget_mb: float = _f(0.0, min=0)  # 0: the host's MemAvailable is the headroom
@@ -225,10 +253,11 @@ class WatchdogConfig:
     thermal_share: float = _f(0.5, gt=0, max=1.0)
     thermal_margin_c: float = _f(5.0, min=0, max=100)
     clock_drop_pct: float = _f(10.0, min=0, max=100)
-    # hang
+    # hang (the runtime's rule, core/hang.py, on the watchdog's own probe of every replica)
     probe_interval: Duration = _f(Duration(15.0), min=0.5)
     probe_timeout: Duration = _f(Duration(20.0), gt=0)
     hang_failures: int = _f(2, min=1, max=100)
+    progress_window: Duration = _f(Duration(30.0), gt=0)
     # policy
     cooldown: Duration = Duration(300.0)
     max_actions: int = _f(3, min=0)
@@ -268,6 +297,14 @@ class SoakConfig:
     model: str | None = _f(None, check=_no_control)
     state_dir: str | None = _f(None, check=_no_control)
     sample_interval: Duration | None = _f(None, gt=0)
+
+
+@dataclass
+class LedgerConfig:
+    """[ledger]: what the runtime keeps of the traffic it served (per-minute histograms are kept
+    for the ledger's life; per-request rows only this long)."""
+
+    request_retention: Duration = _f(Duration(86400.0), min=0)  # 0: no per-request rows
 
 
 PATCH_IDS = ("kv-block-audit", "idle-release", "allocator-settings", "fault-injection", "add-request-abort",
@@ -322,14 +359,11 @@ class InstallConfig:
     timeout_start: Duration = _f(Duration(900.0), min=1)
     revive_every: Duration = _f(Duration(1800.0), min=1)
     env: dict[str, str] = _f({}, check=_env_table)  # extra environment for the runtime
-    gpus: list[str] = _f([], check=_gpu_list)  # GPU UUIDs -> CUDA_VISIBLE_DEVICES
+    # (GPUs: `[server] gpus`; an older file's `[install] gpus` is read as that, see REPLACED)
 
     def environment(self) -> dict[str, str]:
-        """The runtime's extra environment, GPU selection included."""
-        env = dict(self.env)
-        if self.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
-        return env
+        """The runtime's extra environment (the unit's EnvironmentFile)."""
+        return dict(self.env)
 
     @property
     def group(self) -> str:
@@ -346,8 +380,11 @@ class GuardConfig:
     inject: InjectConfig = field(default_factory=InjectConfig)
     patches: PatchesConfig = field(default_factory=PatchesConfig)
     install: InstallConfig = field(default_factory=InstallConfig)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
     # section -> keys given in the file or on the command line (profiles fill in the rest)
     explicit: dict[str, set[str]] = field(default_factory=dict, compare=False, repr=False)
+    # keys of an older file read under the key that replaced them (one line each, REPLACED)
+    deprecations: list[str] = field(default_factory=list, compare=False, repr=False)
     source: str | None = field(default=None, compare=False)  # the file it came from
 
     @property
@@ -356,7 +393,7 @@ class GuardConfig:
 
 
 SECTIONS: dict[str, type] = {name: typ for name, typ in get_type_hints(GuardConfig).items()
-                             if name not in ("explicit", "source")}
+                             if name not in ("explicit", "source", "deprecations")}
 
 
 # -- the one coercion -------------------------------------------------------------------------
@@ -488,6 +525,14 @@ def set_value(cfg: GuardConfig, section: str, key: str, value: Any) -> None:
     cfg.explicit.setdefault(section, set()).add(key)
 
 
+# (section, key) of an older guard.toml -> (section, key) that replaced it, and what it means now
+REPLACED: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("install", "gpus"): ("server", "gpus", "GPU indexes or UUIDs, one replica per GPU or --tensor-parallel-size "
+                                            "group; the runtime sets each replica's CUDA_VISIBLE_DEVICES"),
+}
+_WARNED: set[str] = set()
+
+
 def from_data(data: typing.Mapping[str, Any], source: str | None = None) -> GuardConfig:
     """A GuardConfig from parsed TOML; every section is checked, then `validate`."""
     cfg = GuardConfig(source=source)
@@ -497,8 +542,31 @@ def from_data(data: typing.Mapping[str, Any], source: str | None = None) -> Guar
         if not isinstance(table, dict):
             raise ConfigError(f"{section} has value {table!r}: expected a [{section}] table")
         for key, value in table.items():
-            set_value(cfg, section, key, value)
+            if (section, key) in REPLACED:
+                _read_replaced(cfg, data, section, key, value)
+            else:
+                set_value(cfg, section, key, value)
     return validate(cfg)
+
+
+def _read_replaced(cfg: GuardConfig, data: typing.Mapping[str, Any], section: str, key: str, value: Any) -> None:
+    """An older file's key, read as the key that replaced it, with one deprecation line on
+    stderr (once per process); refused when the file sets the new key too."""
+    new_section, new_key, meaning = REPLACED[(section, key)]
+    old, new = f"[{section}] {key}", f"[{new_section}] {new_key}"
+    table = data.get(new_section)
+    if isinstance(table, dict) and new_key in table:
+        raise ConfigError(f"{old} has value {value!r}: replaced by {new}, which is set too; remove {old}")
+    try:
+        set_value(cfg, new_section, new_key, value)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace(new, old, 1)) from e
+    note = f"{old} is deprecated: read as {new} ({meaning}); move it there"
+    cfg.deprecations.append(note)
+    line = f"vllm-guard: warning: {cfg.source + ': ' if cfg.source else ''}{note}"
+    if line not in _WARNED:
+        _WARNED.add(line)
+        print(line, file=sys.stderr)
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -536,6 +604,15 @@ def validate(cfg: GuardConfig) -> GuardConfig:
     if s.gpus and "replicas" in cfg.explicit.get("server", set()) and s.replicas > len(s.gpus):
         raise ConfigError(f"[server] replicas has value {s.replicas!r}: more than the {len(s.gpus)} GPUs in "
                           f"[server] gpus {s.gpus!r}")
+    if s.max_client_tokens and s.max_request_tokens > s.max_client_tokens:
+        raise ConfigError(f"[server] max_client_tokens has value {s.max_client_tokens!r}: less than "
+                          f"max_request_tokens ({s.max_request_tokens!r}), so a request allowed alone "
+                          "would be refused (429) forever")
+    context = vllm_api.context_length(s.vllm_args)
+    if not s.max_tokens and s.max_request_tokens and context is not None and context > s.max_request_tokens:
+        raise ConfigError(f"[server] max_request_tokens has value {s.max_request_tokens!r}: less than the "
+                          f"context (--max-model-len {context}), so a request that does not set max_tokens "
+                          "would be refused; raise it to the context at least (0: off)")
     if len(set(s.gpus)) != len(s.gpus):
         raise ConfigError(f"[server] gpus has value {s.gpus!r}: a GPU is listed twice")
     if cfg.install.user == cfg.install.watchdog_user:
@@ -590,7 +667,7 @@ def format_kv(table: typing.Mapping[str, Any]) -> str:
 
 __all__ = [
     "DEFAULT_CONFIG", "RECYCLE_STRATEGIES", "ConfigError", "Duration", "GuardConfig", "InjectConfig", "InstallConfig",
-    "PATCH_IDS", "PatchesConfig", "ProbeConfig", "RecycleConfig", "SECTIONS", "ServerConfig",
+    "LedgerConfig", "PATCH_IDS", "PatchesConfig", "ProbeConfig", "RecycleConfig", "SECTIONS", "ServerConfig",
     "SoakConfig", "WatchdogConfig", "as_dict", "coerce", "format_duration", "format_kv", "from_data",
     "load", "parse_duration", "parse_kv", "read_toml", "section_from_table", "section_table",
     "set_value", "tomllib", "validate",

@@ -1,5 +1,10 @@
-"""GPU rules that every package must apply the same way: which GPUs the service sees, and
+"""GPU rules that every package must apply the same way: which GPUs the service uses, and
 what counts as throttled.
+
+GPU selection has one key, `[server] gpus` (indexes or UUIDs, one replica per GPU or
+tensor-parallel group): the runtime gives each replica `CUDA_VISIBLE_DEVICES=<its UUIDs>`
+(`select_gpus`), `install` writes that key (never a unit-wide CUDA_VISIBLE_DEVICES), and the
+watchdog watches the same GPUs (`service_gpus`).
 
 GPU index: CUDA numbers devices fastest-first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`; NVML
 numbers them by PCI bus. So an index in `CUDA_VISIBLE_DEVICES` names an NVML device only
@@ -11,12 +16,16 @@ signal holds it down: HW slowdown (0x8), SW thermal (0x20), HW thermal (0x40), H
 brake (0x80). The SW power cap (0x4) is reported apart as *power capped*: a card at full
 load normally runs at its power limit, so counting it would call every busy GPU throttled.
 Idle (0x1) is neither.
+
+Clock drop: the mean, over busy samples (not idle, both clocks known), of how far the SM clock
+sits below its maximum, in %: a sustained drop, what the watchdog alarms on and the report
+states (`clock_drop_pct`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 GPU_IDLE = 0x1
 SW_POWER_CAP = 0x4
@@ -47,6 +56,13 @@ def power_capped(reasons: int | None) -> bool:
 
 def idle(reasons: int | None) -> bool:
     return bool(reasons) and bool(reasons & GPU_IDLE)  # type: ignore[operator]
+
+
+def clock_drop_pct(samples: Iterable[tuple[float | None, float | None, int | None]]) -> float | None:
+    """`(sm_clock_mhz, sm_clock_max_mhz, reasons)` samples -> mean busy drop below the max, in %
+    (the one definition); None without a busy sample that has both clocks."""
+    ratios = [sm / mx for sm, mx, r in samples if sm and mx and not idle(r)]
+    return 100.0 * (1.0 - sum(ratios) / len(ratios)) if ratios else None
 
 
 def reason_names(reasons: int | None) -> list[str]:
@@ -90,3 +106,11 @@ def select_gpus(static: Sequence[Mapping[str, Any]], selectors: Sequence[str],
             raise ValueError(f"GPU {sel}: " + ("no such GPU here" if not hits else "matches more than one GPU"))
         out.append(hits[0])
     return out
+
+
+def service_gpus(static: Sequence[Mapping[str, Any]], selectors: Sequence[str],
+                 env: Mapping[str, str] | None = None) -> list[str]:
+    """UUIDs of the GPUs a service with `[server] gpus` = `selectors` and environment `env`
+    uses: its replicas' GPUs (`select_gpus`), or every GPU it sees when the list is empty.
+    ValueError as `select_gpus` raises it."""
+    return select_gpus(static, selectors, env) if selectors else visible_uuids(static, env)

@@ -1,4 +1,4 @@
-"""Host readings: per-child memory (psutil), host memory, boot id, cgroup OOM counters.
+"""Host readings: per-child memory and CPU time (psutil), host memory, boot id, cgroup OOM counters.
 
 Filesystem roots are parameters (node_exporter's `--path.procfs` habit), so tests point them
 at fixture trees. cgroup v2 keeps `oom_kill` in `memory.events`; v1 in `memory.oom_control`
@@ -40,6 +40,24 @@ def _vm_swap(pid: int, proc: str) -> float | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process has used (from /proc/PID/stat, readable for any user's
+    process); None when it is gone. The hang rule's evidence that a silent API server is alive."""
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    return float(t.user + t.system)
+
+
+def cmdline(pid: int) -> list[str]:
+    """A process's command line (world-readable in /proc); [] when it is gone or hidden."""
+    try:
+        return list(psutil.Process(pid).cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
 
 
 def host_memory(proc: str = "/proc") -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """The ledger: one SQLite file per state dir (WAL), one schema for the whole project.
 
 Each writer owns its tables (`OWNERS`): the runtime writes `generations`, `recycles`,
-`failures`; the watchdog `samples`, `incidents`; the load generator `runs`, `requests` and
+`failures` and what it measures of the traffic and its processes (`edge_requests`, one row per
+request for `[ledger] request_retention`; `edge_minutes`, per-minute counts and latency
+histograms for the ledger's life; `process_memory`, downsampled with age); the watchdog `samples`, `incidents`; the load generator `runs`, `requests` and
 the `soak_*` tables. Everyone may read everything. Times are ISO 8601 UTC text (sortable),
 durations seconds. Columns added after the first release are added to older files on open
 (`_MIGRATIONS`), so a newer guard reads and writes an older ledger.
@@ -19,12 +21,13 @@ from typing import Any, Iterable
 from .errors import GuardError
 
 LEDGER_NAME = "ledger.sqlite"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 BUSY_TIMEOUT_S = 5.0
 
 OWNERS: dict[str, str] = {
     "meta": "everyone (own key prefixes)",
     "generations": "runtime", "recycles": "runtime", "failures": "runtime",
+    "edge_requests": "runtime", "edge_minutes": "runtime", "process_memory": "runtime",
     "samples": "watchdog", "incidents": "watchdog",
     "runs": "loadgen", "requests": "loadgen", "soak_segments": "loadgen", "soak_samples": "loadgen",
     "soak_status": "loadgen",
@@ -76,7 +79,10 @@ CREATE TABLE IF NOT EXISTS generations (
     pid_started REAL,
     replica INTEGER NOT NULL DEFAULT 0,
     strategy TEXT,
-    updated_at TEXT
+    updated_at TEXT,
+    -- where its start went: JSON [[phase, seconds after spawn], ...] in the order a start goes
+    -- (runtime/child/anatomy.py ORDER); written when it is ready and again when it ends
+    start_phases TEXT
 );
 CREATE TABLE IF NOT EXISTS recycles (
     id INTEGER PRIMARY KEY,
@@ -105,12 +111,68 @@ CREATE TABLE IF NOT EXISTS failures (
     detail TEXT,
     restored_at TEXT
 );
+-- runtime: what the proxy and the memory monitor measure (times: epoch seconds, REAL)
+CREATE TABLE IF NOT EXISTS edge_requests (
+    id INTEGER PRIMARY KEY,
+    arrived REAL NOT NULL,
+    request_id TEXT,
+    replica INTEGER,
+    generation INTEGER,
+    outcome TEXT NOT NULL,
+    status INTEGER,
+    reason TEXT,
+    stream INTEGER,
+    resumed INTEGER,
+    ttft_s REAL,
+    e2e_s REAL,
+    chunks INTEGER,
+    itl_mean_s REAL,
+    itl_max_s REAL,
+    prompt_tokens INTEGER,
+    completion_tokens INTEGER
+);
+CREATE INDEX IF NOT EXISTS edge_requests_arrived ON edge_requests (arrived);
+CREATE TABLE IF NOT EXISTS edge_minutes (
+    id INTEGER PRIMARY KEY,
+    minute INTEGER NOT NULL,
+    replica INTEGER NOT NULL,
+    requests INTEGER NOT NULL,
+    completed INTEGER NOT NULL,
+    failed INTEGER NOT NULL,
+    rejected INTEGER NOT NULL,
+    disconnected INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    usage_known INTEGER NOT NULL,
+    ttft TEXT NOT NULL,
+    e2e TEXT NOT NULL,
+    itl TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS edge_minutes_minute ON edge_minutes (minute);
+CREATE TABLE IF NOT EXISTS process_memory (
+    id INTEGER PRIMARY KEY,
+    at REAL NOT NULL,
+    replica INTEGER NOT NULL,
+    generation INTEGER NOT NULL,
+    pid INTEGER NOT NULL,
+    role TEXT NOT NULL,
+    requests INTEGER,
+    rss_mb REAL,
+    uss_mb REAL,
+    swap_mb REAL,
+    gpu_mb REAL,
+    host_available_mb REAL,
+    gpu_free_mb REAL
+);
+CREATE INDEX IF NOT EXISTS process_memory_at ON process_memory (at);
 -- watchdog
+-- replica: the replica a row is about (its index); NULL: the box, not one replica
 CREATE TABLE IF NOT EXISTS samples (
     id INTEGER PRIMARY KEY,
     at TEXT NOT NULL,
     source TEXT NOT NULL,
-    data TEXT NOT NULL
+    data TEXT NOT NULL,
+    replica INTEGER
 );
 CREATE TABLE IF NOT EXISTS incidents (
     id INTEGER PRIMARY KEY,
@@ -120,7 +182,8 @@ CREATE TABLE IF NOT EXISTS incidents (
     detected_at TEXT NOT NULL,
     action TEXT,
     restored_at TEXT,
-    data TEXT
+    data TEXT,
+    replica INTEGER
 );
 -- soak (owned by vllm_guard.soak; times: ISO text, and epoch seconds in REAL *_at columns)
 CREATE TABLE IF NOT EXISTS runs (
@@ -202,9 +265,18 @@ CREATE INDEX IF NOT EXISTS failures_at ON failures (at);
 # column -> DDL, per table: what an older ledger lacks gets added on open
 _MIGRATIONS: dict[str, dict[str, str]] = {
     "generations": {"pid_started": "REAL", "replica": "INTEGER NOT NULL DEFAULT 0", "strategy": "TEXT",
-                    "updated_at": "TEXT"},
+                    "updated_at": "TEXT", "start_phases": "TEXT"},
     "recycles": {"strategy": "TEXT", "replica": "INTEGER NOT NULL DEFAULT 0"},
+    # schema 3: the watchdog watches every replica (NULL: a box-wide row, as every older row is)
+    "samples": {"replica": "INTEGER"},
+    "incidents": {"replica": "INTEGER"},
 }
+
+
+# Samples downsampled with age (the watchdog's `samples`, the runtime's `process_memory`):
+# (older than s, keep one per bucket of s): the newest hour in full, then one a minute up to a
+# day, one per 10 minutes up to 30 days, one an hour beyond.
+DOWNSAMPLE: tuple[tuple[float, int], ...] = ((3600.0, 60), (86400.0, 600), (30 * 86400.0, 3600))
 
 
 def db_path(db: str | Path) -> Path:

@@ -209,6 +209,12 @@ def read_gate(gate: Path) -> GateReport | None:
         return None
 
 
+def gate_settled(report: GateReport | None) -> bool:
+    """The engine will say nothing more at its gate: it went on (opened), could not park
+    (skipped) or gave up waiting (timed_out)."""
+    return report is not None and report.state in ("opened", "skipped", "timed_out")
+
+
 def open_gate(gate: Path) -> None:
     """Let the parked engine go on (idempotent)."""
     gate.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from .errors import ProtocolError
 from .ledger import EndClass
 from .sanitize import check_reason
 
-SCHEMA = "vllm-guard-status/2"
+SCHEMA = "vllm-guard-status/3"
 RECENT = 10
 
 
@@ -37,6 +37,15 @@ class RuntimeState(str, enum.Enum):
     BACKOFF = "backoff"  # after a failure, before the next start
     HELD = "held"  # an operator or the watchdog said: do not start anything
     EXITING = "exiting"
+
+
+# Which states of a replica take an admin command: the runtime's command handling refuses it
+# elsewhere (HTTP 409), and the watchdog does not send it elsewhere. A restart kills a generation
+# that exists (starting, serving or draining; a stopping one is already going); a recycle
+# replaces a serving one.
+RESTARTABLE: frozenset[RuntimeState] = frozenset({RuntimeState.STARTING, RuntimeState.SERVING,
+                                                  RuntimeState.DRAINING})
+RECYCLABLE: frozenset[RuntimeState] = frozenset({RuntimeState.SERVING})
 
 
 class Role(str, enum.Enum):
@@ -82,16 +91,49 @@ class MemoryStatus(_Model):
     growth: MemoryGrowth | None = None
 
 
+class RejectReason(str, enum.Enum):
+    """Why a request was `rejected`: refused, the service did not fail it."""
+
+    NOT_SERVED = "not_served"  # not part of the public API (404, 405); such requests are never counted
+    BODY_TOO_LARGE = "body_too_large"  # 413: over [server] max_body_mb
+    BODY_STALLED = "body_stalled"  # 408: the body stopped coming for [server] idle_timeout
+    BODY_BUFFER_FULL = "body_buffer_full"  # 503: bodies held at once over [server] body_buffer_mb
+    BAD_REQUEST = "bad_request"  # 400 from the guard: not a JSON object, a field of the wrong type
+    N_TOO_LARGE = "n_too_large"  # 400: n (or best_of) over [server] max_n
+    MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"  # 400: a sequence may run past [server] max_tokens
+    REQUEST_TOKENS_TOO_LARGE = "request_tokens_too_large"  # 400: sequences x max_tokens over max_request_tokens
+    CLIENT_REQUESTS = "client_requests"  # 429: the client has [server] max_client_requests in flight
+    CLIENT_TOKENS = "client_tokens"  # 429: the client's requests in flight ask for max_client_tokens
+    VLLM_REFUSED = "vllm_refused"  # a 4xx answer from vLLM (a prompt longer than the context, a bad field)
+    UNAVAILABLE = "unavailable"  # 503: held, or shutting down (the operator's decision)
+
+
+class FailReason(str, enum.Enum):
+    """Why a request `failed`: the service could not serve it."""
+
+    BACKEND_ERROR = "backend_error"  # 502: the backend failed before answering, after the retry
+    BACKEND_BROKE = "backend_broke"  # the answer broke off (an error event, cut short) or was a 5xx
+    UNRESUMABLE = "unresumable"  # its backend died mid-stream and the stream could not go on elsewhere
+    QUEUE_TIMEOUT = "queue_timeout"  # 503: no backend became ready within [server] queue_max_wait
+    QUEUE_FULL = "queue_full"  # 503: [server] queue_size requests were already waiting
+
+
 class RequestCounters(_Model):
-    """Counted requests are those that reached the engine (a completion or chat request that
-    got a response from vLLM); 404s, health checks and probes are not counted."""
+    """Counted requests are the engine requests (completions, chat, embeddings...) the proxy
+    received. Each ends in exactly one of completed, rejected, failed, client_disconnects, so
+    their sum is `total` less those still in progress (in_flight, queued, or reading a body)."""
 
     total: int = 0
-    completed: int = 0
-    failed: int = 0
-    rejected: int = 0  # subset of failed: 503 from the queue
-    retried: int = 0
-    client_disconnects: int = 0
+    completed: int = 0  # answered in full by vLLM (2xx)
+    failed: int = 0  # the service failed them (failed_by says how); never a client's doing
+    rejected: int = 0  # refused: a client error or a bound (rejected_by says which), held, shutting down
+    retried: int = 0  # attempts that failed before any byte reached the client and were tried again
+    client_disconnects: int = 0  # the client left before the end
+    rejected_by: dict[RejectReason, int] = Field(default_factory=dict)
+    failed_by: dict[FailReason, int] = Field(default_factory=dict)
+    resumed: int = 0  # streams that went on at another generation after their backend died (once each)
+    resumes: int = 0  # continuations sent (a stream resumed twice counts two)
+    unresumable: int = 0  # streams cut by a dead backend that could not go on (part of failed)
     in_flight: int = 0
     queued: int = 0
     generation: int = 0  # counted requests of the current generation
@@ -104,10 +146,13 @@ class RequestCounters(_Model):
     output_tokens: int | None = None
     streamed: int | None = None  # counted requests that asked for a stream
     # the public port's bounds: answered by the guard without reaching vLLM (not in the public API,
-    # body too large, too slow), open client connections, connections refused or closed at the cap
+    # body too large or too slow, refused at admission), open client connections, connections
+    # refused or closed at the cap, client connections lost in the middle of a request (a client
+    # that half-closed or reset its connection while the guard read its body or wrote the answer)
     not_forwarded: int = 0
     connections: int = 0
     connections_refused: int = 0
+    connections_lost: int = 0
 
 
 class FailureSummary(_Model):
@@ -182,15 +227,37 @@ class LedgerHealth(_Model):
     last_error: str | None = None
 
 
+class StandbyStatus(_Model):
+    """A replica's standby: its next generation, parked at the startup gate until needed."""
+
+    generation: int
+    phase: Literal["starting", "parked", "opened"]  # booting to its gate, waiting there, going on
+    rss_mb: float | None = None  # host memory of its processes
+    gpu_mb: float | None = None  # GPU memory it holds (None: no NVML)
+
+
+class StartPhase(_Model):
+    """One milestone of a generation's start (`runtime/child/anatomy.py`), seconds after its spawn:
+    spawned, parked, gate_opened, model_load_started, weights_loaded, compiled, kv_allocated,
+    graphs_captured, engine_up, api_up, health_ok, ready, first_request."""
+
+    phase: str
+    s: float
+
+
 class ReplicaStatus(_Model):
     """One vLLM server behind the proxy (a runtime with one replica has one of these)."""
 
     index: int
     state: RuntimeState
+    # the replica's own state (runtime/replica/machine.py): serving, waiting_turn, overlap_starting,
+    # gated_parking, unready, draining, stopping, opening_gate, past_gate, failing, backoff, held...
+    phase: str = ""
     generation: int  # the generation new requests go to (0: none yet)
     gpus: list[str] = Field(default_factory=list)  # CUDA_VISIBLE_DEVICES of its generations (UUIDs)
     gpu_name: str | None = None
     backend_url: str | None = None
+    pid: int | None = None  # the API server at backend_url (its CPU time tells starved from stopped)
     in_flight: int = 0
     served: int = 0  # counted requests its current generation took
     limit: int | None = None
@@ -198,6 +265,8 @@ class ReplicaStatus(_Model):
     next_phase: Literal["starting", "parked", "past_gate"] | None = None
     retiring: list[int] = Field(default_factory=list)  # old generations still draining or stopping
     recycle_strategy: str | None = None  # of its recycle in progress, else of its last one
+    standby: StandbyStatus | None = None
+    start_phases: list[StartPhase] = Field(default_factory=list)  # where its current generation's start went
 
 
 class GateReport(_Model):
@@ -213,7 +282,7 @@ class GateReport(_Model):
 
 
 class StatusSnapshot(_Model):
-    schema_: Literal["vllm-guard-status/2"] = Field("vllm-guard-status/2", alias="schema")
+    schema_: Literal["vllm-guard-status/3"] = Field("vllm-guard-status/3", alias="schema")
     state: RuntimeState
     state_for_s: float
     generation: int
@@ -266,11 +335,18 @@ COMMAND_CLASSES: dict[Command, tuple[EndClass, ...]] = {
 }
 
 
+class RecycleStrategy(str, enum.Enum):
+    OVERLAP = "overlap"
+    GATED = "gated"
+    COLD = "cold"
+
+
 class CommandRequest(_Model):
     command: Command
     reason: str = "operator"
     cls: EndClass | None = None
     replica: int | None = Field(default=None, ge=0)  # recycle/restart one replica; None: all (rolling, one at a time)
+    strategy: RecycleStrategy | None = None  # recycle: this strategy for this recycle only (tests, operators)
 
     @field_validator("reason")
     @classmethod
@@ -278,6 +354,10 @@ class CommandRequest(_Model):
         return check_reason(v)
 
     def ledger_class(self) -> EndClass | None:
+        """The ledger class this command is recorded as; ProtocolError for a combination that
+        does not apply (a class the command does not take, a strategy for other than recycle)."""
+        if self.strategy is not None and self.command is not Command.RECYCLE:
+            raise ProtocolError(f"strategy has value {self.strategy.value!r}: only recycle takes a strategy")
         allowed = COMMAND_CLASSES[self.command]
         if not allowed:
             return None

@@ -155,6 +155,13 @@ def _failure_owner(f: FailureRow, gens: list[GenerationRow]) -> int | None:
     return best
 
 
+def now_or_end(gens: list[GenerationRow], rows: list[int], now: float) -> float:
+    """Where an unrestored outage ends so far: the last of the later generations' ends (the
+    ledger's observed window), or now while one of them is still open."""
+    ends = [epoch(gens[j].ended_at) for j in rows]
+    return now if any(e is None for e in ends) else max(e for e in ends if e is not None)
+
+
 def service_figures(h: RuntimeHistory, now: float, confidence: float = 0.90, bounds: bool = True) -> ServiceFigures:
     """Figures for the whole ledger (all replicas) from the runtime's tables; pure. `bounds`
     as in `mtbf()`."""
@@ -194,7 +201,13 @@ def service_figures(h: RuntimeHistory, now: float, confidence: float = 0.90, bou
         if k + 1 >= len(same):
             continue
         nxt = gens[same[k + 1]]
-        next_ready = epoch(nxt.ready_at) or epoch(nxt.started_at) or stop
+        # restored means serving again: the first later generation of this replica that was ready
+        served = next((gens[j] for j in same[k + 1:] if epoch(gens[j].ready_at) is not None), None)
+        next_ready = epoch(served.ready_at) if served is not None else None
+        if unplanned and next_ready is None:
+            unplanned_down += max(0.0, now_or_end(gens, same[k + 1:], now) - stop)  # not restored (yet)
+            continue
+        next_ready = next_ready or epoch(nxt.started_at) or stop
         gap = max(0.0, next_ready - stop)
         rebooted = bool(g.boot_id and nxt.boot_id and g.boot_id != nxt.boot_id)
         if rebooted:
@@ -236,3 +249,15 @@ def service_figures(h: RuntimeHistory, now: float, confidence: float = 0.90, bou
         vllm_versions=sorted({g.vllm_version for g in gens if g.vllm_version}),
         hosts=sorted({g.host for g in gens if g.host}),
     )
+
+
+def of_replica(h: RuntimeHistory, replica: int) -> RuntimeHistory:
+    """One replica's rows: its generations, its recycles, the failures of its generations."""
+    gens = [g for g in h.generations if g.replica == replica]
+    numbers = {g.generation for g in gens}
+    return RuntimeHistory(gens, [r for r in h.recycles if r.replica == replica],
+                          [f for f in h.failures if f.generation in numbers])
+
+
+def replicas_of(h: RuntimeHistory) -> list[int]:
+    return sorted({g.replica for g in h.generations})

@@ -2,6 +2,10 @@
 per source per tick, JSON in `data`) and what NVML trace files hold. The report, the replay
 and the exporter read them through these models.
 
+Box-wide sources (nvml, procs, host, status, verdicts) are rows with `replica` NULL; what the
+watchdog reads of each replica (`REPLICA_SOURCES`: its /metrics counters, its hang verdict) is
+one row per replica, `replica` = its index. Schema 1 had one `metrics` row for the one backend.
+
 Readers ignore fields they do not know (a newer watchdog may add some) but every field they
 rely on is required, so a renamed one fails loudly (ProtocolError) instead of reading as
 absent. `SAMPLES_SCHEMA` is recorded in the ledger's meta table and in each trace's meta line.
@@ -15,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .protocol import PatchProcessReport, RequestCounters, Role, RuntimeState, StatusSnapshot
 
-SAMPLES_SCHEMA = 1
+SAMPLES_SCHEMA = 2
 NVML_SCHEMA = 1
 
 
@@ -120,6 +124,27 @@ class StatusBrief(_Record):
                    output_tokens=r.output_tokens, streamed=r.streamed)
 
 
+class ReplicaBrief(_Record):
+    """One replica at the tick: what the runtime said of it and the watchdog's hang verdict."""
+
+    state: str
+    generation: int
+    backend_url: str | None = None
+    hang: str  # the hang detector's health for this replica (healthy, degraded, unhealthy, unknown)
+    probe_misses: int = 0  # timed-out probes in a row with no progress over their window
+    reason: str = ""
+
+
+class ReplicaTick(_Record):
+    """The per-replica sources of one tick (`samples` rows with `replica` = the index)."""
+
+    metrics: dict[str, float | None] | None = None  # the replica's vLLM engine counters
+    replica: ReplicaBrief | None = None
+
+
+REPLICA_SOURCES = ("metrics", "replica")
+
+
 class Tick(_Record):
     """One watchdog tick as read back from the ledger (every source optional)."""
 
@@ -127,13 +152,30 @@ class Tick(_Record):
     nvml: NvmlRecord | None = None
     procs: dict[str, ProcReading] | None = None
     host: HostReading | None = None
-    metrics: dict[str, float | None] | None = None
+    metrics: dict[str, float | None] | None = None  # schema 1 only: the one backend's counters
     status: StatusBrief | None = None
     verdicts: dict[str, str] | None = None
+    replicas: dict[str, ReplicaTick] = Field(default_factory=dict)  # replica index (as text) -> its sources
 
     @classmethod
     def from_sources(cls, at: str, sources: dict[str, Any]) -> Tick:
         return cls.model_validate({"at": at, **sources})
+
+    @classmethod
+    def from_rows(cls, at: str, rows: list[tuple[str, int | None, Any]]) -> Tick:
+        return cls.from_sources(at, tick_sources(rows))
+
+
+def tick_sources(rows: list[tuple[str, int | None, Any]]) -> dict[str, Any]:
+    """One tick's `(source, replica, data)` rows (`data` parsed JSON) as a `Tick`'s fields:
+    box-wide rows (replica None) by source, the others under `replicas`."""
+    sources: dict[str, Any] = {}
+    for source, replica, data in rows:
+        if replica is None:
+            sources[source] = data
+        else:
+            sources.setdefault("replicas", {}).setdefault(str(replica), {})[source] = data
+    return sources
 
 
 class SoakStatusRecord(_Record):

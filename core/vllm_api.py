@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import urllib.parse
 import uuid
@@ -65,6 +66,50 @@ def arg_value(args: Sequence[str], flag: str) -> str | None:
 def api_key(vllm_args: Sequence[str], env: Mapping[str, str]) -> str | None:
     """The key vLLM will demand: `--api-key`, else `VLLM_API_KEY` in the server's env."""
     return arg_value(vllm_args, "--api-key") or env.get(API_KEY_ENV) or None
+
+
+_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgGtT]?)$")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def context_length(vllm_args: Sequence[str]) -> int | None:
+    """`--max-model-len` as vLLM reads it (`4096`, `4k` = 4000, `4K` = 4096); None when not
+    given, `auto`/-1 (vLLM derives it from the model) or not a number vLLM would take."""
+    value = arg_value(vllm_args, "--max-model-len")
+    m = _HUMAN_INT.match(value.strip()) if value else None
+    if m is None:
+        return None
+    number, suffix = m.groups()
+    if suffix in _DECIMAL:
+        n = int(float(number) * _DECIMAL[suffix])
+    elif "." in number:  # vLLM refuses decimals without a suffix or with a binary one
+        return None
+    else:
+        n = int(number) * _BINARY.get(suffix, 1)
+    return n if n > 0 else None
+
+
+def api_keys(vllm_args: Sequence[str], env: Mapping[str, str]) -> frozenset[str]:
+    """Every key vLLM accepts: `--api-key K [K...]` (also `--api-key=K`, repeated: the last
+    wins), else `VLLM_API_KEY`, as vLLM's middleware reads them (0.32); empty: none demanded."""
+    keys: list[str] = []
+    i = 0
+    while i < len(vllm_args):
+        a = vllm_args[i]
+        if a == "--api-key":
+            keys = []
+            i += 1
+            while i < len(vllm_args) and not vllm_args[i].startswith("-"):
+                keys.append(vllm_args[i])
+                i += 1
+            continue
+        if a.startswith("--api-key="):
+            keys = [a.split("=", 1)[1]]
+        i += 1
+    if not keys and env.get(API_KEY_ENV):
+        keys = [env[API_KEY_ENV]]
+    return frozenset(k for k in keys if k)
 
 
 def served_model_name(vllm_args: Sequence[str], model: str) -> str:
@@ -175,8 +220,8 @@ async def probe(session: aiohttp.ClientSession, url: str, model: str, key: str |
         return ProbeResult(False, time.monotonic() - t0, f"{type(e).__name__}: {e}")
 
 
-async def metrics(session: aiohttp.ClientSession, url: str, timeout: float = 5.0) -> EngineMetrics | None:
-    """Engine counters from /metrics; None when the scrape fails."""
+async def metrics_page(session: aiohttp.ClientSession, url: str, timeout: float = 5.0) -> str | None:
+    """vLLM's whole /metrics page (Prometheus text); None when the scrape fails."""
     import aiohttp
 
     try:
@@ -184,7 +229,12 @@ async def metrics(session: aiohttp.ClientSession, url: str, timeout: float = 5.0
                 s.get(base + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status != 200:
                 return None
-            text = await r.text()
+            return await r.text()
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return None
-    return parse_metrics(text)
+
+
+async def metrics(session: aiohttp.ClientSession, url: str, timeout: float = 5.0) -> EngineMetrics | None:
+    """Engine counters from /metrics; None when the scrape fails."""
+    text = await metrics_page(session, url, timeout)
+    return None if text is None else parse_metrics(text)

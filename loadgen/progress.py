@@ -9,13 +9,10 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from typing import TYPE_CHECKING
-
 from rich.console import Console
 from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 
-if TYPE_CHECKING:
-    from .runner import Soak
+from .live import Live
 
 
 def _ms(v: float | None) -> str:
@@ -23,15 +20,15 @@ def _ms(v: float | None) -> str:
 
 
 class Progress:
-    def __init__(self, soak: "Soak", duration_s: float, offset0: float, mono0: float, enabled: bool) -> None:
-        self.soak, self.duration, self.offset0, self.mono0 = soak, duration_s, offset0, mono0
+    def __init__(self, live: Live, duration_s: float, offset0: float, mono0: float, enabled: bool) -> None:
+        self.live, self.duration, self.offset0, self.mono0 = live, duration_s, offset0, mono0
         self.console = Console(stderr=True)
         self.tty = enabled and self.console.is_terminal
         self.enabled = enabled
         self._bar: RichProgress | None = None
 
     def _line(self) -> str:
-        L = self.soak.live
+        L = self.live
         err = 100.0 * L.failed / L.done if L.done else 0.0
         return (f"req {L.done}/{L.sent} sent, in flight {L.sent - L.done}, errors {err:.2f}%, "
                 f"TTFT p50 {_ms(L.ttft.quantile(0.5))} ms p99 {_ms(L.ttft.quantile(0.99))} ms")

@@ -22,7 +22,6 @@ import math
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -32,37 +31,10 @@ from vllm_guard.core import stream as client
 from .arrivals import Schedule, prompt_ids
 from .hist import LogHistogram
 from .params import SoakParams
+from .live import Live
 from .progress import Progress
 from .sampler import StatusSampler
 from .store import RequestRow, SoakStore
-
-
-@dataclass
-class Live:
-    """Streaming aggregates for the progress line and the summary: constant memory."""
-
-    done: int = 0
-    sent: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    ttft: LogHistogram = field(default_factory=LogHistogram)
-    e2e_sched: LogHistogram = field(default_factory=LogHistogram)
-    lag: LogHistogram = field(default_factory=LogHistogram)  # sent - scheduled
-    output_tokens: int = 0
-
-    def add(self, res: client.Result, lag_s: float, e2e_sched_s: float) -> None:
-        self.done += 1
-        self.lag.add(max(0.0, lag_s))
-        if res.error:
-            self.errors[res.error] = self.errors.get(res.error, 0) + 1
-            return
-        if res.ttft_s is not None:
-            self.ttft.add(res.ttft_s)
-        self.e2e_sched.add(e2e_sched_s)
-        self.output_tokens += res.output_tokens or 0
-
-    @property
-    def failed(self) -> int:
-        return sum(self.errors.values())
 
 
 @functools.lru_cache(maxsize=2)
@@ -171,7 +143,7 @@ class Soak:
             self.sampler = StatusSampler(self.p.state_dir, self.run_id, self.store.put_samples,
                                          self.p.sample_interval_s, self.store.put_status)
             bg.append(asyncio.create_task(self.sampler.run()))
-        prog = Progress(self, duration, offset0, mono0, enabled=self.show_progress)
+        prog = Progress(self.live, duration, offset0, mono0, enabled=self.show_progress)
         bg.append(asyncio.create_task(prog.run()))
         status = "done"
         async with aiohttp.ClientSession(connector=conn, auto_decompress=False) as session:

@@ -7,7 +7,7 @@ the range every patch is skipped with the reason rather than guessed at.
 
 from __future__ import annotations
 
-from .registry import PatchDef, Target
+from .registry import PatchDef, Anchor
 
 MIN_VERSION = "0.20"
 MAX_VERSION = "0.40"
@@ -15,38 +15,38 @@ MAX_VERSION = "0.40"
 SCHED = "vllm.v1.core.sched.scheduler"
 CORE = "vllm.v1.engine.core"
 
-T_FREE_REQUEST = Target(SCHED, "Scheduler", "_free_request", ("request",), ("requests", "kv_cache_manager"))
-T_FREE_BLOCKS = Target(SCHED, "Scheduler", "_free_blocks", ("request",))
-T_ADD_REQUEST = Target(SCHED, "Scheduler", "add_request", ("request",))
-T_IDLE = Target(CORE, "EngineCoreProc", "_notify_idle_state_callbacks", (), ("scheduler",))
-T_KVM = Target("vllm.v1.core.kv_cache_manager", "KVCacheManager", None, (), ("coordinator", "block_pool"))
-T_COORD = Target("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator", "free", ("request_id",),
+T_FREE_REQUEST = Anchor(SCHED, "Scheduler", "_free_request", ("request",), ("requests", "kv_cache_manager"))
+T_FREE_BLOCKS = Anchor(SCHED, "Scheduler", "_free_blocks", ("request",))
+T_ADD_REQUEST = Anchor(SCHED, "Scheduler", "add_request", ("request",))
+T_IDLE = Anchor(CORE, "EngineCoreProc", "_notify_idle_state_callbacks", (), ("scheduler",))
+T_KVM = Anchor("vllm.v1.core.kv_cache_manager", "KVCacheManager", None, (), ("coordinator", "block_pool"))
+T_COORD = Anchor("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator", "free", ("request_id",),
                  ("single_type_managers", "block_pool", "get_blocks"))
-T_SINGLE = Target("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", None, (),
+T_SINGLE = Anchor("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", None, (),
                   ("req_to_blocks", "block_pool"))
-T_POOL = Target("vllm.v1.core.block_pool", "BlockPool", "free_blocks", ("ordered_blocks",),
+T_POOL = Anchor("vllm.v1.core.block_pool", "BlockPool", "free_blocks", ("ordered_blocks",),
                 ("blocks", "null_block", "num_gpu_blocks", "get_num_free_blocks", "get_usage"))
-T_BLOCK = Target("vllm.v1.core.kv_cache_utils", "KVCacheBlock", None, (), ("block_id", "ref_cnt", "is_null"))
-T_OUTPUT = Target("vllm.v1.engine.output_processor", "OutputProcessor", "add_request", ("request",),
+T_BLOCK = Anchor("vllm.v1.core.kv_cache_utils", "KVCacheBlock", None, (), ("block_id", "ref_cnt", "is_null"))
+T_OUTPUT = Anchor("vllm.v1.engine.output_processor", "OutputProcessor", "add_request", ("request",),
                   ("request_states",))
-T_ADD = Target("vllm.v1.engine.async_llm", "AsyncLLM", "add_request", ("request_id", "prompt", "params"),
+T_ADD = Anchor("vllm.v1.engine.async_llm", "AsyncLLM", "add_request", ("request_id", "prompt", "params"),
                ("output_processor", "engine_core", "errored"))
-T_OP_ABORT = Target("vllm.v1.engine.output_processor", "OutputProcessor", "abort_requests", ("request_ids", "internal"),
+T_OP_ABORT = Anchor("vllm.v1.engine.output_processor", "OutputProcessor", "abort_requests", ("request_ids", "internal"),
                     ("request_states", "external_req_ids", "parent_requests"))
-T_STATE = Target("vllm.v1.engine.output_processor", "RequestState", None, (),
+T_STATE = Anchor("vllm.v1.engine.output_processor", "RequestState", None, (),
                  ("external_req_id", "parent_req", "prompt_token_ids"))
-T_CORE_ABORT = Target("vllm.v1.engine.core_client", "AsyncMPClient", "abort_requests_async", ("request_ids",))
-T_SCHEDULE = Target(SCHED, "Scheduler", "schedule", (), ("needs_kv_cache_zeroing", "kv_cache_manager"),
+T_CORE_ABORT = Anchor("vllm.v1.engine.core_client", "AsyncMPClient", "abort_requests_async", ("request_ids",))
+T_SCHEDULE = Anchor(SCHED, "Scheduler", "schedule", (), ("needs_kv_cache_zeroing", "kv_cache_manager"),
                     absent=("_get_new_block_ids_to_zero",))
-T_TAKE_IDS = Target("vllm.v1.core.kv_cache_manager", "KVCacheManager", "take_new_block_ids")
-T_NEW_IDS = Target("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", None, (),
+T_TAKE_IDS = Anchor("vllm.v1.core.kv_cache_manager", "KVCacheManager", "take_new_block_ids")
+T_NEW_IDS = Anchor("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", None, (),
                    ("new_block_ids", "take_new_block_ids"), absent=("records_new_block_ids", "_record_new_block_ids"))
-T_WORKER = Target("vllm.v1.worker.worker_base", "WorkerWrapperBase", "execute_model")
-T_INIT_DEVICE = Target("vllm.v1.worker.gpu_worker", "Worker", "init_device")
+T_WORKER = Anchor("vllm.v1.worker.worker_base", "WorkerWrapperBase", "execute_model")
+T_INIT_DEVICE = Anchor("vllm.v1.worker.gpu_worker", "Worker", "init_device")
 # The engine loads the general plugins (us) before it builds the executor, which creates the
 # worker and the CUDA context: a plugin that waits there holds no GPU memory. Verified in
 # 0.25.1 (core.py: load_general_plugins at ~110, executor_class(vllm_config) at ~123) and 0.32.0.
-T_ENGINE_INIT = Target(CORE, "EngineCore", "__init__", ("vllm_config", "executor_class"),
+T_ENGINE_INIT = Anchor(CORE, "EngineCore", "__init__", ("vllm_config", "executor_class"),
                        calls=("load_general_plugins", "executor_class"))
 
 KV_BLOCK_AUDIT = PatchDef(
@@ -119,7 +119,7 @@ STARTUP_GATE = PatchDef(
 ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION, ADD_REQUEST_ABORT, BLOCK_IDS_DRAIN, STARTUP_GATE)
 
 # Targets a role actually touches (a worker never sees the scheduler, and so on).
-ROLE_TARGETS: dict[tuple[str, str], tuple[Target, ...]] = {
+ROLE_TARGETS: dict[tuple[str, str], tuple[Anchor, ...]] = {
     ("idle-release", "engine_core"): (T_FREE_REQUEST, T_ADD_REQUEST),
     ("idle-release", "api_server"): (T_OUTPUT,),
     ("idle-release", "worker"): (T_WORKER,),
@@ -129,5 +129,5 @@ ROLE_TARGETS: dict[tuple[str, str], tuple[Target, ...]] = {
 }
 
 
-def targets_for(defn: PatchDef, role: str) -> tuple[Target, ...]:
+def targets_for(defn: PatchDef, role: str) -> tuple[Anchor, ...]:
     return ROLE_TARGETS.get((defn.id, role), defn.targets)

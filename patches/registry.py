@@ -24,8 +24,8 @@ ROLES = ("api_server", "engine_core", "worker")
 
 
 @dataclass(frozen=True)
-class Target:
-    """One class (and optionally one method) a patch relies on."""
+class Anchor:
+    """Where a patch anchors in vLLM: one class (and optionally one method) it relies on."""
 
     module: str
     cls: str
@@ -62,7 +62,7 @@ class PatchDef:
     min_version: str
     max_version: str  # exclusive
     roles: tuple[str, ...]
-    targets: tuple[Target, ...] = field(default=())
+    targets: tuple[Anchor, ...] = field(default=())
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -167,7 +167,7 @@ def module_file(root: Path, module: str) -> Path:
     return f if f.exists() else root.joinpath(*parts, "__init__.py")
 
 
-def static_check(root: Path, t: Target) -> str | None:
+def static_check(root: Path, t: Anchor) -> str | None:
     """None when the target has the expected shape in the tree at `root`, else the reason."""
     f = module_file(root, t.module)
     if not f.exists():
@@ -198,7 +198,7 @@ def static_check(root: Path, t: Target) -> str | None:
     return None
 
 
-def live_check(t: Target) -> str | None:
+def live_check(t: Anchor) -> str | None:
     """Like `static_check`, on the imported class: its source file and its live method signature."""
     try:
         mod = importlib.import_module(t.module)
@@ -259,7 +259,7 @@ def tree_version(root: Path) -> str:
     return m.group(1) if m else "unknown"
 
 
-def evaluate(defn: PatchDef, version: str, check: Callable[[Target], str | None]) -> str | None:
+def evaluate(defn: PatchDef, version: str, check: Callable[[Anchor], str | None]) -> str | None:
     """The skip reason for one patch (version, then every target), or None if it would apply."""
     if not in_range(version, defn.min_version, defn.max_version):
         return f"vLLM {version} outside [{defn.min_version}, {defn.max_version})"

@@ -37,6 +37,8 @@ from scipy import stats
 from vllm_guard.core.samples import StatusBrief, Tick
 from vllm_guard.core.timefmt import epoch
 
+from .figures import AttributionFigures, FeatureCost, ProcessAttribution
+
 # feature -> (StatusBrief field, unit shown per "+X MB per <unit>", scale of the counter per unit)
 FEATURES: dict[str, tuple[str, str, float]] = {
     "completed": ("completed", "completed request", 1.0),
@@ -196,22 +198,29 @@ def headline(role: str, kind: str, a: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _typed(role: str, kind: str, a: dict[str, Any], line: str | None) -> ProcessAttribution:
+    feats = [FeatureCost(**{k: f[k] for k in FeatureCost.__dataclass_fields__}) for f in a["features"]]
+    return ProcessAttribution(role=role, metric=kind, intervals=a["intervals"], growth_mb=a.get("growth_mb"),
+                              cause=a["cause"], note=a.get("note", ""), withheld=a.get("withheld"),
+                              left_out=list(a["left_out"]), features=feats, line=line)
+
+
 def attribution_report(ticks: list[Tick] | None, confidence: float = 0.90,
-                       min_growth_mb: float = 1.0) -> dict[str, Any]:
+                       min_growth_mb: float = 1.0) -> AttributionFigures:
     """Every (role, memory kind) with enough ticks; `lines` are the headlines of those that grew
     by at least `min_growth_mb` summed over their intervals."""
     by = observations(ticks)
     if not by:
-        return {"present": False, "note": "no watchdog ticks with both process memory and the runtime's counters",
-                "processes": [], "lines": [], "counters_missing": []}
+        return AttributionFigures(False, "no watchdog ticks with both process memory and the runtime's counters",
+                                  confidence)
     procs = []
     lines = []
     for (role, kind), obs in sorted(by.items()):
         a = attribute(obs, confidence)
-        procs.append({"role": role, "metric": kind, **a})
-        if a["cause"] is not None and a.get("growth_mb", 0.0) >= min_growth_mb:
-            lines.append(headline(role, kind, a))
+        line = headline(role, kind, a) if a["cause"] is not None and a.get("growth_mb", 0.0) >= min_growth_mb else None
+        procs.append(_typed(role, kind, a, line))
+        if line:
+            lines.append(line)
     seen = {n for obs in by.values() for o in obs for n in o.counters}
     missing = [n for n in FEATURES if n not in seen]
-    return {"present": True, "confidence": confidence, "note": "", "processes": procs, "lines": lines,
-            "counters_missing": missing}
+    return AttributionFigures(True, "", confidence, lines, missing, procs)

@@ -1,15 +1,18 @@
-"""`vllm-guard report`: one figures dict from a ledger, rendered as text, JSON or HTML.
+"""`vllm-guard report`: the typed figures of a ledger (`figures.Report`), rendered as text, JSON
+or HTML from the same tree, so the three never disagree.
 
-The JSON is the figures dict itself (keys documented in docs/REPORTS.md, `schema` versioned);
-text and HTML are views of it, so the three never disagree. The `service` section is
-`core.reliability.service_figures(...).to_dict()`: the one MTBF, as the exporter and
-`vllm-guard status` show it.
+Everything is answered from what the runtime records of production traffic (its generations,
+recycles and failures; every request at the proxy, per minute; its processes' memory); the
+watchdog's samples (GPU thermals, power, its memory forecasts) and a soak's own requests, when
+present, are shown and labelled as such. The `service` section is
+`core.reliability.service_figures`: the one MTBF, as the exporter and `vllm-guard status`
+show it. Per replica too when the box runs several.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,14 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from vllm_guard.core.reliability import ServiceFigures, service_figures
+from vllm_guard.core.reliability import ServiceFigures, of_replica, replicas_of, service_figures
 from vllm_guard.core.timefmt import utcnow
 
-from . import attribution, cost, ledgerread, memory, sla, summary, thermal
-from .latency import latency_report
+from . import attribution, cost, ledgerread, memory, sla, summary, thermal, traffic
+from .figures import (
+    SCHEMA, IncidentFigures, IncidentRow, ReplicaFigures, Report, Summary, TableHealth, to_json,
+)
+from .latency import soak_report
 
-SCHEMA = "vllm-guard-report/1"
-COMPARE_SCHEMA = "vllm-guard-compare/1"
+COMPARE_SCHEMA = "vllm-guard-compare/2"
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ def ledger_label(svc: ServiceFigures, meta: ledgerread.WatchdogMeta) -> str:
     return " · ".join(parts)
 
 
-def _samples_section(d: ledgerread.LedgerData) -> dict[str, Any]:
+def _samples(d: ledgerread.LedgerData) -> TableHealth:
     p = d.tick_problems
     if d.ticks is None:
         note = "no watchdog samples (table absent)"
@@ -71,98 +76,110 @@ def _samples_section(d: ledgerread.LedgerData) -> dict[str, Any]:
         note = "no watchdog samples (table empty)"
     else:
         note = ""
-    return {"present": bool(d.ticks), "count": len(d.ticks or []), "invalid": p.bad,
-            "first_error": p.first or None, "note": note}
+    return TableHealth(bool(d.ticks), len(d.ticks or []), p.bad, p.first or None, note)
 
 
-def build(d: ledgerread.LedgerData, opts: Options | None = None, now: float | None = None) -> dict[str, Any]:
-    opts = opts or Options()
-    confidence = opts.confidence
-    now = time.time() if now is None else now
-    svc = service_figures(d.runtime, now, confidence)
-    wd = memory.points_from_watchdog(d.ticks)
-    pts, src = (wd, "watchdog") if wd else (memory.points_from_soak(d.soak_samples), "soak")
-    headroom, headroom_from = memory.gpu_headroom(d.ticks, d.watchdog_meta.gpu_budget_mb)
-    leak = memory.leak_report(pts, src if pts else None, confidence, gpu_headroom_mb=headroom,
-                              gpu_headroom_from=headroom_from)
+def _incidents(d: ledgerread.LedgerData) -> IncidentFigures:
     if d.incidents is None:
-        incidents: dict[str, Any] = {"present": False, "note": "no incidents table (watchdog not installed here)", "list": []}
-    else:
-        incidents = {"present": bool(d.incidents), "note": "" if d.incidents else "incidents table empty",
-                     "list": [{"kind": i.kind, "cause": i.cause, "class": i.cls, "detected_at": i.detected_at,
-                               "action": i.action, "restored_at": i.restored_at} for i in d.incidents]}
-    ends = d.requests.get("ended_at", np.array([]))
-    sp = d.status_problems
+        return IncidentFigures(False, "no incidents table (watchdog not installed here)")
+    rows = [IncidentRow(i.kind, i.cause, i.cls, i.detected_at, i.action, i.restored_at) for i in d.incidents]
+    return IncidentFigures(bool(rows), "" if rows else "incidents table empty", rows)
+
+
+def _minutes(d: ledgerread.LedgerData) -> TableHealth:
+    p = d.minute_problems
+    note = (f"{p.bad} of {p.rows} of the runtime's minute rows do not match their schema and were not used; "
+            f"first: {p.first}" if p.bad else "")
+    return TableHealth(bool(d.edge_minutes), len(d.edge_minutes), p.bad, p.first or None, note)
+
+
+def _replicas(d: ledgerread.LedgerData, opts: Options, now: float, blocks: list[traffic.Block], source: str | None,
+              leak_procs: list[Any]) -> list[ReplicaFigures]:
+    out = []
+    for r in replicas_of(d.runtime):
+        svc = service_figures(of_replica(d.runtime, r), now, opts.confidence)
+        mine = [b for b in blocks if b.replica == r] if source == "runtime" else (blocks if r == 0 else [])
+        rs = sla.sla_report(mine, source, opts.tiers, opts.sla_latency)
+        leaks = [p for p in leak_procs if p.leak and (p.replica == r or (p.replica is None and len(
+            replicas_of(d.runtime)) == 1))]
+        out.append(ReplicaFigures(r, svc, traffic.traffic(mine, source, r), rs.run_tier, leaks))
+    return out
+
+
+def build(d: ledgerread.LedgerData, opts: Options | None = None, now: float | None = None) -> Report:
+    opts = opts or Options()
+    now = time.time() if now is None else now
+    svc = service_figures(d.runtime, now, opts.confidence)
     label = ledger_label(svc, d.watchdog_meta)
-    service = svc.to_dict()
-    lat = latency_report(d.requests, d.errors, d.runs, svc.requests_served)
-    f: dict[str, Any] = {
-        "schema": SCHEMA, "generated_at": utcnow(), "ledger": d.path, "label": label,
-        "profile": {"gpu_profile": d.watchdog_meta.gpu_profile, "gpu_budget_mb": d.watchdog_meta.gpu_budget_mb},
-        "service": service,
-        "incidents": incidents, "leak": leak,
-        "attribution": attribution.attribution_report(d.ticks, confidence),
-        "watchdog_samples": _samples_section(d),
-        "soak_status": {"count": len(d.soak_status), "invalid": sp.bad, "first_error": sp.first or None},
-        "thermal": thermal.thermal_report(d.ticks, ends[np.isfinite(ends)]),
-        "latency": lat,
-        "sla": sla.sla_report(d.requests, d.errors, opts.tiers, opts.sla_latency),
-        "cost": cost.cost_report(d.ticks, lat, d.requests, service, label, opts.prices),
-        "patches": _patch_states(d),
-        "empty": not (svc.present or d.ticks or d.errors or d.soak_samples),
-    }
-    f["summary"] = summary.summary(_clean(f))
-    return f
-
-
-def _clean(o: Any) -> Any:
-    """JSON-safe: NaN/inf -> null, numpy scalars -> Python."""
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    if isinstance(o, np.generic):
-        o = o.item()
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    return o
+    blocks, source = traffic.blocks_of(d, opts.sla_latency)
+    box = traffic.per_minute(blocks)
+    exact = traffic.exact_span(d, source)
+    served = traffic.traffic(box, source, None, "no requests recorded: the runtime writes every request it serves "
+                             "(an older runtime did not; run a soak, or serve with this version)",
+                             exact)
+    ends = d.requests.get("ended_at", np.array([]))
+    if source == "runtime":
+        ends = np.concatenate([np.full(b.completed, b.t + 30.0) for b in box]) if box else np.array([])
+    t0, t1 = traffic.window(box, exact) if box else (None, None)
+    reps = replicas_of(d.runtime)
+    leak = memory.leak_report(d, reps)
+    r = Report(
+        schema=SCHEMA, generated_at=utcnow(), ledger=d.path, label=label,
+        profile={"gpu_profile": d.watchdog_meta.gpu_profile, "gpu_budget_mb": d.watchdog_meta.gpu_budget_mb},
+        service=svc, replicas=_replicas(d, opts, now, blocks, source, leak.processes), incidents=_incidents(d),
+        leak=leak, attribution=attribution.attribution_report(d.ticks, opts.confidence),
+        watchdog_samples=_samples(d),
+        soak_status=TableHealth(bool(d.soak_status), len(d.soak_status), d.status_problems.bad,
+                                d.status_problems.first or None),
+        runtime_minutes=_minutes(d),
+        thermal=thermal.thermal_report(d.ticks, ends[np.isfinite(ends)]),
+        traffic=served, soak=soak_report(d.requests, d.errors, d.runs),
+        sla=sla.sla_report(box, source, opts.tiers, opts.sla_latency),
+        cost=cost.cost_report(d.ticks, served, t0, t1, svc, label, opts.prices),
+        patches=_patch_states(d),
+        empty=not (svc.present or d.ticks or d.errors or d.soak_samples or d.edge_minutes),
+        summary=Summary([], None, None, None, None, None, None, None, None, [], None, None),
+    )
+    return dataclasses.replace(r, summary=summary.summary(r))
 
 
 def figures(db: str | Path, opts: Options | None = None, run_id: int | None = None
-            ) -> tuple[dict[str, Any], ledgerread.LedgerData]:
+            ) -> tuple[Report, ledgerread.LedgerData]:
     d = ledgerread.load(db, run_id)
-    f = _clean(build(d, opts))
-    if f["empty"]:
+    r = build(d, opts)
+    if r.empty:
         raise ledgerread.LedgerError(f"{d.path}: the ledger is empty (no generations, watchdog samples or soak "
                                      "requests): nothing to report yet")
-    return f, d
+    return r, d
 
 
 def render(db: str | Path, fmt: str, opts: Options | None = None, run_id: int | None = None) -> str:
-    f, d = figures(db, opts, run_id)
+    r, d = figures(db, opts, run_id)
     if fmt == "json":
-        return json.dumps(f, indent=2, sort_keys=True) + "\n"
+        return json.dumps(to_json(r), indent=2, sort_keys=True) + "\n"
     if fmt == "html":
         from .html import render_html
 
-        return render_html(f, d)
+        return render_html(r, d)
     from .text import render_text
 
-    return render_text(f)
+    return render_text(r)
 
 
 def render_compare(paths: list[str], fmt: str, opts: Options | None = None) -> str:
-    from .compare import verdict_lines
+    from .compare import compare
     from .text import compare_rows
 
     opts = opts or Options()
     (fa, da), (fb, db_) = figures(paths[0], opts), figures(paths[1], opts)
     rows = compare_rows(fa, fb)
-    verdict = verdict_lines(fa, da, fb, db_, opts.confidence)
+    verdict = compare(fa, da, fb, db_, opts)
     if fmt == "json":
-        out = {"schema": COMPARE_SCHEMA, "a": fa, "b": fb, "verdict": verdict,
+        from .figures import clean
+
+        out = {"schema": COMPARE_SCHEMA, "a": to_json(fa), "b": to_json(fb), "verdict": dataclasses.asdict(verdict),
                "rows": [{"figure": k, "a": a, "b": b} for k, a, b in rows]}
-        return json.dumps(_clean(out), indent=2, sort_keys=True) + "\n"
+        return json.dumps(clean(out), indent=2, sort_keys=True) + "\n"
     if fmt == "html":
         from .html import render_compare_html
 

@@ -22,16 +22,20 @@ def add_commands(sub: Any) -> dict[str, Handler]:
     r = sub.add_parser("report", help="MTBF, leaks, thermals, latency and errors from a ledger",
                        description="Figures from a ledger (the runtime's, the watchdog's and the soak's tables) as "
                                    "text, JSON or one self-contained HTML file. Opens the ledger read-only.")
-    r.add_argument("--db", default=None, help="ledger file or state dir (default: the state dir's ledger)")
+    r.add_argument("--db", action="append", default=None,
+                   help="ledger file or state dir (default: the state dir's ledger); given more than once, or a "
+                        "directory of ledgers: one fleet report (pooled per GPU model)")
     r.add_argument("--state-dir", default=None,
                    help="the guard's state dir (default: $VLLM_GUARD_STATE_DIR, the installed guard's, ./.state)")
     r.add_argument("--format", choices=["text", "json", "html"], default="text", help="output format (default text)")
     r.add_argument("--out", default=None, help="file to write (default: stdout)")
     r.add_argument("--compare", nargs=2, metavar=("A.db", "B.db"), default=None,
                    help="two ledgers side by side")
-    r.add_argument("--run-id", type=int, default=None, help="soak run for latency and errors (default: all runs)")
+    r.add_argument("--run-id", type=int, default=None,
+                   help="the soak run its section shows (default: all runs; the runtime's traffic is every request)")
     r.add_argument("--confidence", type=float, default=0.90,
-                   help="level of the MTBF bounds, leak intervals and --compare tests, in (0, 1) (default 0.90)")
+                   help="level of the MTBF bounds and the --compare tests, in (0, 1) (default 0.90; leak "
+                        "intervals are the leak rule's 95 %%)")
     r.add_argument("--prices", default=None,
                    help="price file (TOML: card, host, power price, operations) for $/M tokens and the TCO")
     r.add_argument("--sla", default=None, metavar="TIER=BOUND,...",
@@ -43,11 +47,19 @@ def add_commands(sub: Any) -> dict[str, Handler]:
 
 def _ledger(args: argparse.Namespace) -> str:
     if args.db:
-        return str(args.db)
+        return str(args.db[0])
     from vllm_guard.core.ledger import LEDGER_NAME
     from vllm_guard.core.paths import resolve_state_dir
 
     return str(Path(resolve_state_dir(args.state_dir)[0]) / LEDGER_NAME)
+
+
+def _is_fleet_dir(db: str) -> bool:
+    """A directory that is not a state dir (no ledger.sqlite in it): a directory of ledgers."""
+    from vllm_guard.core.ledger import LEDGER_NAME
+
+    p = Path(db)
+    return p.is_dir() and not (p / LEDGER_NAME).exists()
 
 
 def _check_out(out: str | None) -> None:
@@ -74,13 +86,21 @@ def cmd_report(args: argparse.Namespace, _: list[str]) -> int:
     _check_out(args.out)
     if args.compare and args.run_id is not None:
         raise UsageError("--run-id selects a soak run of one ledger: not with --compare")
+    fleet_mode = bool(args.db) and (len(args.db) > 1 or _is_fleet_dir(args.db[0]))
+    if fleet_mode and (args.compare or args.run_id is not None):
+        raise UsageError("--db given for a fleet (several ledgers, or a directory of them): not with --compare or "
+                         "--run-id")
     from .cost import load_prices
     from .sla import parse_tiers
 
     opts = build.Options(confidence=args.confidence, tiers=parse_tiers(args.sla), sla_latency=args.sla_latency,
                          prices=load_prices(args.prices) if args.prices else None)
     try:
-        if args.compare:
+        if fleet_mode:
+            from . import fleet
+
+            text = fleet.render(args.db, args.format, opts)
+        elif args.compare:
             text = build.render_compare(args.compare, args.format, opts)
         else:
             text = build.render(_ledger(args), args.format, opts, args.run_id)

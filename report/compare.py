@@ -1,168 +1,270 @@
-"""`--compare`: which box is better on each figure, and whether the difference is significant.
+"""`--compare`: which box is better on each figure, and only where the difference is real.
 
-One line per figure, each with the test that decides it at the report's confidence:
+A box is called better on a figure only when the difference is both *practical* (at least
+PRACTICAL_PCT, 5 % by default, of the other box's value) and *significant* at the report's
+confidence, under a test that respects how the data was taken:
+- latency (TTFT, ITL, E2E medians) and the error rate: a block bootstrap over per-minute blocks
+  (the runtime's minute histograms, or the soak's requests put into minutes): requests of one
+  minute share a batch, a recycle, a hot GPU, so they are not independent samples and a
+  per-request test (Mann-Whitney over one run) calls tiny differences "significant". Each side's
+  minutes are resampled with replacement (BOOT replicates, seeded), the figure recomputed from
+  the merged histograms, and the interval of the relative difference read off. Fewer than
+  MIN_BLOCKS minutes on either side: too short to tell.
 - unplanned failures: the two counts are Poisson over their up times; given the total, A's
-  count is binomial with p = T_A / (T_A + T_B) when the rates are equal (the conditional test,
-  exact: `scipy.stats.binomtest`);
-- leak slopes (per process and memory kind): significant when the two intervals do not
-  overlap (conservative);
-- latency (TTFT, ITL, E2E): Mann-Whitney U on the per-request values of successful requests;
-- error rate: Fisher's exact test on failed/ok counts;
-- availability, throughput, SLA, cost: shown as they are (no sampling model for them here).
-The overall line first: the box that wins more significant figures, reliability first.
+  count is binomial with p = T_A / (T_A + T_B) when the rates are equal (exact conditional test);
+- leak slopes (per process and memory kind): a box leaks only by the leak rule (`core.leak`);
+  when both do, significant when the two intervals do not overlap;
+- availability, throughput, cost: shown as they are (no sampling model for them here), never
+  counted for the overall verdict.
+The overall line first: the box that wins more differences, reliability first; else "no
+difference".
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 from scipy import stats
 
+from vllm_guard.core.latency import within
+
+from . import traffic as T
+from .figures import Report
+from .hist import matrix, merged
 from .ledgerread import LedgerData
 
-LATENCY = (("TTFT", "ttft_s"), ("ITL", "itl_mean_s"), ("E2E", "e2e_s"))
+PRACTICAL_PCT = 5.0
+MIN_BLOCKS = 10  # minutes per side before a time-structured test can say anything
+BOOT = 2000
+MAX_BLOCKS = 2000  # longer runs: consecutive minutes merged into longer blocks
+LATENCY = (("TTFT", "ttft"), ("ITL", "itl"), ("E2E", "e2e"))
 
 
-def _line(figure: str, better: str | None, significant: bool | None, text: str, test: str,
-          p: float | None = None) -> dict[str, Any]:
-    return {"figure": figure, "better": better, "significant": significant, "text": text, "test": test,
-            "p_value": p}
+@dataclass(frozen=True)
+class VerdictLine:
+    figure: str
+    better: str | None  # "A", "B", or None (no difference, or not measured)
+    significant: bool | None  # None: no test
+    practical: bool | None
+    text: str
+    test: str
+    p_value: float | None = None
+    difference_pct: float | None = None  # (B - A) / A, in %
+    low_pct: float | None = None
+    high_pct: float | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    overall: str
+    better: str | None
+    confidence: float
+    practical_pct: float
+    lines: list[VerdictLine]
 
 
 def _who(a_wins: bool) -> str:
     return "A" if a_wins else "B"
 
 
-def failures_line(fa: dict[str, Any], fb: dict[str, Any], alpha: float) -> dict[str, Any]:
-    sa, sb = fa["service"], fb["service"]
-    if not sa.get("present") or not sb.get("present"):
-        return _line("unplanned failures", None, None, "unplanned failures: a ledger without runtime data", "none")
-    ra, rb = sa["failures_unplanned"], sb["failures_unplanned"]
-    ta, tb = sa["up_h"], sb["up_h"]
+def failures_line(fa: Report, fb: Report, alpha: float) -> VerdictLine:
+    sa, sb = fa.service, fb.service
+    if not sa.present or not sb.present:
+        return VerdictLine("unplanned failures", None, None, None, "unplanned failures: a ledger without runtime data",
+                           "none")
+    return failure_counts_line(sa.failures_unplanned, sa.up_h, sb.failures_unplanned, sb.up_h, alpha)
+
+
+def failure_counts_line(ra: int, ta: float, rb: int, tb: float, alpha: float) -> VerdictLine:
+    """Two failure counts over their up times (one box's, or a GPU model's pooled)."""
+    name = "unplanned failures"
     desc = f"A {ra} in {ta:.3g} h up, B {rb} in {tb:.3g} h up"
     if ra + rb == 0 or ta <= 0 or tb <= 0:
-        return _line("unplanned failures", None, False, f"unplanned failures: none on either box ({desc}): "
-                     "no difference measurable yet", "conditional binomial")
+        return VerdictLine(name, None, False, False, f"{name}: none on either box ({desc}): no difference "
+                           "measurable yet", "conditional binomial")
     p = float(stats.binomtest(ra, ra + rb, ta / (ta + tb)).pvalue)
-    better = _who(ra / ta < rb / tb)
-    sig = p < alpha
-    verdict = (f"{better} fails less often (significant, p = {p:.2g})" if sig
-               else f"no significant difference (p = {p:.2g})")
-    return _line("unplanned failures", better, sig, f"unplanned failures: {verdict}; {desc}", "conditional binomial", p)
+    rate_a, rate_b = ra / ta, rb / tb
+    better = _who(rate_a < rate_b)
+    diff = 100.0 * (rate_b - rate_a) / rate_a if rate_a > 0 else math.inf
+    sig, prac = p < alpha, abs(diff) >= PRACTICAL_PCT
+    verdict = (f"{better} fails less often (significant, p = {p:.2g})" if sig and prac
+               else f"no difference (p = {p:.2g})")
+    return VerdictLine(name, better if sig and prac else None, sig, prac, f"{name}: {verdict}; {desc}",
+                       "conditional binomial", p, diff if math.isfinite(diff) else None)
 
 
-def _leaks(f: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(p["role"], p["metric"]): p["per_100_requests"] for p in f["leak"]["processes"]
-            if p["metric"] in ("rss_mb", "gpu_mb") and p["per_100_requests"]["slope"] is not None}
-
-
-def _opening(sig: bool, claim: str) -> str:
-    """The start of a verdict line, up to the test's figures in parentheses."""
-    return f"{claim} (significant: " if sig else "no significant difference ("
-
-
-def leak_lines(fa: dict[str, Any], fb: dict[str, Any]) -> list[dict[str, Any]]:
-    la, lb = _leaks(fa), _leaks(fb)
+def leak_lines(fa: Report, fb: Report) -> list[VerdictLine]:
+    la = {(p.role, p.metric): p for p in fa.leak.processes if p.replica is None and p.metric in ("rss_mb", "gpu_mb")}
+    lb = {(p.role, p.metric): p for p in fb.leak.processes if p.replica is None and p.metric in ("rss_mb", "gpu_mb")}
     out = []
     for key in sorted(set(la) & set(lb)):
         a, b = la[key], lb[key]
-        kind = "GPU" if key[1] == "gpu_mb" else "host RSS"
-        name = f"leak {key[0]} {kind}"
-        if None in (a["low"], a["high"], b["low"], b["high"]):
-            out.append(_line(name, None, None, f"{name}: no interval on one side", "interval overlap"))
+        name = f"leak {key[0]} {'GPU' if key[1] == 'gpu_mb' else 'host RSS'}"
+        sa, sb = a.per_100_requests, b.per_100_requests
+        if sa is None or sb is None:
+            out.append(VerdictLine(name, None, None, None, f"{name}: no slope on one side", "leak rule"))
             continue
-        better = _who(a["slope"] < b["slope"])
-        sig = a["high"] < b["low"] or b["high"] < a["low"]
-        out.append(_line(name, better, sig,
-                         f"{name}: " + _opening(sig, f"{better} grows slower") + "intervals "
-                         f"A [{a['low']:.3g}, {a['high']:.3g}], B [{b['low']:.3g}, {b['high']:.3g}] MB/100 requests)",
-                         "interval overlap"))
+        iv = (f"A [{sa.low:.3g}, {sa.high:.3g}], B [{sb.low:.3g}, {sb.high:.3g}] MB/100 requests")
+        if not a.leak and not b.leak:
+            out.append(VerdictLine(name, None, False, False, f"{name}: no difference: neither box shows a leak "
+                                   f"({iv})", "leak rule"))
+            continue
+        better = _who(sa.slope < sb.slope)
+        sig = sa.high < sb.low or sb.high < sa.low
+        prac = abs(sa.slope - sb.slope) >= PRACTICAL_PCT / 100.0 * max(abs(sa.slope), abs(sb.slope))
+        leaking = "only " + ("B" if better == "A" else "A") + " leaks" if (a.leak != b.leak) else "both leak"
+        win = sig and prac
+        text = (f"{name}: {better} grows slower ({leaking}; significant: intervals {iv})" if win
+                else f"{name}: no difference ({leaking}; intervals {iv} overlap or differ by less than "
+                     f"{PRACTICAL_PCT:g} %)")
+        out.append(VerdictLine(name, better if win else None, sig, prac, text, "leak rule, interval overlap",
+                               difference_pct=100.0 * (sb.slope - sa.slope) / abs(sa.slope) if sa.slope else None))
     return out
 
 
-def _ok_values(d: LedgerData, col: str) -> np.ndarray:
-    if not d.errors:
-        return np.array([])
-    ok = np.array([e is None for e in d.errors])
-    v = d.requests[col][ok]
-    return v[np.isfinite(v)]
+def _matrix(blocks: Sequence[T.Block], which: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block bucket counts over the buckets any block uses: (blocks x buckets, bucket ids)."""
+    return matrix([getattr(b, which) for b in blocks])
 
 
-def latency_lines(da: LedgerData, db: LedgerData, alpha: float) -> list[dict[str, Any]]:
+def coarsen(blocks: Sequence[T.Block], limit: int = MAX_BLOCKS) -> list[T.Block]:
+    """At most `limit` blocks: consecutive minutes merged (longer blocks keep time structure)."""
+    if len(blocks) <= limit:
+        return list(blocks)
+    k = math.ceil(len(blocks) / limit)
+    return [T.total(blocks[i:i + k]) for i in range(0, len(blocks), k)]
+
+
+def _weights(n: int, rng: np.random.Generator) -> np.ndarray:
+    """BOOT resamples of n blocks with replacement, as counts per block (BOOT x n)."""
+    return rng.multinomial(n, np.full(n, 1.0 / n), size=BOOT).astype(float)
+
+
+def boot_median(blocks: Sequence[T.Block], which: str, rng: np.random.Generator) -> np.ndarray:
+    """Bootstrap replicates of the median (s) of the merged histograms of resampled blocks,
+    interpolated inside the bucket as `Histogram.quantile` does."""
+    m, ids = _matrix(blocks, which)
+    counts = _weights(len(blocks), rng) @ m
+    c = np.cumsum(counts, axis=1)
+    rank = np.maximum(0.5 * c[:, -1], 0.5)
+    k = np.argmax(c >= rank[:, None], axis=1)
+    rows = np.arange(len(k))
+    before = np.where(k > 0, c[rows, np.maximum(k - 1, 0)], 0.0)
+    share = (rank - before) / np.maximum(counts[rows, k], 1e-12)
+    return np.array([within(int(ids[j]), float(f)) for j, f in zip(k, share)])
+
+
+def boot_share(blocks: Sequence[T.Block], rng: np.random.Generator) -> np.ndarray:
+    failed = np.array([b.failed for b in blocks], float)
+    served = np.array([b.completed + b.failed for b in blocks], float)
+    w = _weights(len(blocks), rng)
+    return np.asarray((w @ failed) / np.maximum(w @ served, 1.0))
+
+
+def _bootstrap_line(name: str, test: str, a: float, b: float, ra: np.ndarray, rb: np.ndarray, alpha: float,
+                    fmt: Callable[[float], str], lower_better: bool = True) -> VerdictLine:
+    """The relative difference (B - A) / A with its bootstrap interval; better only if both
+    practical and significant."""
+    if a <= 0 and b <= 0:
+        return VerdictLine(name, None, False, False, f"{name}: no difference ({fmt(a)} on both)", test)
+    d = 100.0 * (b - a) / a if a > 0 else math.inf
+    rel = 100.0 * (rb - ra) / np.where(ra > 0, ra, np.nan)
+    rel = rel[np.isfinite(rel)]
+    lo, hi = (float(np.percentile(rel, 100 * alpha / 2)), float(np.percentile(rel, 100 * (1 - alpha / 2)))) \
+        if rel.size else (-math.inf, math.inf)
+    p = float(min(1.0, 2 * min((rel <= 0).mean(), (rel >= 0).mean()))) if rel.size else None
+    sig = lo > 0 or hi < 0
+    prac = abs(d) >= PRACTICAL_PCT
+    better = _who((a < b) == lower_better)
+    desc = (f"{fmt(a)} vs {fmt(b)}, B {d:+.1f} % [{lo:+.1f}, {hi:+.1f}]; {test}" if math.isfinite(d)
+            else f"{fmt(a)} vs {fmt(b)}; {test}")
+    if sig and prac:
+        text = f"{name}: {better} is better ({desc})"
+    elif sig:
+        text = f"{name}: no difference (significant but under {PRACTICAL_PCT:g} %: {desc})"
+    else:
+        text = f"{name}: no difference ({desc})"
+    return VerdictLine(name, better if sig and prac else None, sig, prac, text, test, p,
+                       d if math.isfinite(d) else None, lo, hi)
+
+
+def traffic_lines(da: LedgerData, db: LedgerData, alpha: float, latency: str) -> list[VerdictLine]:
+    ba, src_a = T.blocks_of(da, latency)
+    bb, src_b = T.blocks_of(db, latency)
+    return block_lines(T.per_minute(ba), T.per_minute(bb), src_a, src_b, alpha)
+
+
+def block_lines(ba: list[T.Block], bb: list[T.Block], src_a: str | None, src_b: str | None,
+                alpha: float) -> list[VerdictLine]:
+    """TTFT, ITL and E2E medians and the error rate of two sets of per-minute blocks (one box's
+    minutes, or every minute of every box of a GPU model)."""
+    ba, bb = coarsen(ba), coarsen(bb)
+    names = [f"{n} median" for n, _ in LATENCY] + ["error rate"]
+    if min(len(ba), len(bb)) < MIN_BLOCKS:
+        why = (f"too few minutes to tell (A {len(ba)}, B {len(bb)}; a time-structured test needs {MIN_BLOCKS} per "
+               "side)")
+        return [VerdictLine(n, None, None, None, f"{n}: no difference: {why}", "block bootstrap") for n in names]
+    rng = np.random.default_rng(0)
+    src = src_a if src_a == src_b else f"{src_a} and {src_b}"
+    test = f"block bootstrap over {len(ba)} and {len(bb)} per-minute blocks of {src} requests"
     out = []
-    for name, col in LATENCY:
-        a, b = _ok_values(da, col), _ok_values(db, col)
-        if a.size < 2 or b.size < 2:
-            out.append(_line(name, None, None, f"{name}: too few requests on one side", "Mann-Whitney U"))
+    for name, which in LATENCY:
+        ha, hb = merged(getattr(b, which) for b in ba), merged(getattr(b, which) for b in bb)
+        qa, qb = ha.quantile(0.5), hb.quantile(0.5)
+        if qa is None or qb is None or not ha.counts or not hb.counts:
+            out.append(VerdictLine(f"{name} median", None, None, None, f"{name} median: not measured on one side",
+                                   "block bootstrap"))
             continue
-        p = float(stats.mannwhitneyu(a, b, alternative="two-sided").pvalue)
-        ma, mb = float(np.median(a)), float(np.median(b))
-        pa, pb = float(np.percentile(a, 99)), float(np.percentile(b, 99))
-        better = _who(ma < mb)
-        sig = p < alpha
-        head = _opening(sig, f"{better} is faster")
-        out.append(_line(name, better, sig,
-                         f"{name}: {head}Mann-Whitney p = {p:.2g}): median {ma * 1000:.1f} vs {mb * 1000:.1f} ms, "
-                         f"P99 {pa * 1000:.1f} vs {pb * 1000:.1f} ms", "Mann-Whitney U", p))
+        out.append(_bootstrap_line(f"{name} median", test, qa, qb, boot_median(ba, which, rng),
+                                   boot_median(bb, which, rng), alpha, lambda v: f"{v * 1000:.1f} ms"))
+    ta, tb = T.total(ba), T.total(bb)
+    ea = ta.failed / max(ta.completed + ta.failed, 1)
+    eb = tb.failed / max(tb.completed + tb.failed, 1)
+    out.append(_bootstrap_line("error rate", test, ea, eb, boot_share(ba, rng), boot_share(bb, rng), alpha,
+                               lambda v: f"{100 * v:.3g} %"))
     return out
 
 
-def errors_line(fa: dict[str, Any], fb: dict[str, Any], alpha: float) -> dict[str, Any]:
-    la, lb = fa["latency"], fb["latency"]
-    if not la.get("present") or not lb.get("present"):
-        return _line("error rate", None, None, "error rate: no soak requests on one side", "Fisher exact")
-    ea, eb = la["failed"], lb["failed"]
-    na, nb = la["requests"], lb["requests"]
-    if ea + eb == 0:
-        return _line("error rate", None, False, f"error rate: no failed request on either ({na} vs {nb} requests)",
-                     "Fisher exact")
-    p = float(stats.fisher_exact([[ea, na - ea], [eb, nb - eb]]).pvalue)
-    better = _who(ea / na < eb / nb)
-    sig = p < alpha
-    head = _opening(sig, f"{better} fails fewer requests")
-    return _line("error rate", better, sig,
-                 f"error rate: {head}Fisher p = {p:.2g}): {100 * ea / na:.3g} % vs {100 * eb / nb:.3g} %", "Fisher exact", p)
-
-
-def _plain(name: str, a: float | None, b: float | None, higher_better: bool, fmt: str) -> dict[str, Any]:
+def _plain(name: str, a: float | None, b: float | None, higher_better: bool, fmt: str) -> VerdictLine:
     if a is None or b is None:
-        return _line(name, None, None, f"{name}: not measured on one side", "none")
+        return VerdictLine(name, None, None, None, f"{name}: not measured on one side", "none")
     if fmt.format(a) == fmt.format(b):
-        return _line(name, None, None, f"{name}: equal ({fmt.format(a)})", "none")
-    better = _who((a > b) == higher_better)
-    return _line(name, better, None, f"{name}: {better} ({fmt.format(a)} vs {fmt.format(b)}; no test)", "none")
+        return VerdictLine(name, None, None, None, f"{name}: equal ({fmt.format(a)})", "none")
+    side = _who((a > b) == higher_better)
+    return VerdictLine(name, None, None, None, f"{name}: {fmt.format(a)} vs {fmt.format(b)} ({side} ahead; no test, "
+                       "not counted)", "none")
 
 
-def verdict_lines(fa: dict[str, Any], da: LedgerData, fb: dict[str, Any], db: LedgerData,
-                  confidence: float) -> dict[str, Any]:
+def compare(fa: Report, da: LedgerData, fb: Report, db: LedgerData, opts: object) -> Verdict:
+    confidence = float(getattr(opts, "confidence", 0.90))
+    latency = str(getattr(opts, "sla_latency", "ttft"))
     alpha = 1.0 - confidence
-    lines = [failures_line(fa, fb, alpha)]
-    sa, sb = fa["service"], fb["service"]
-    lines.append(_plain("availability", sa.get("availability"), sb.get("availability"), True, "{:.4%}"))
+    lines = [failures_line(fa, fb, alpha),
+             _plain("availability", fa.service.availability, fb.service.availability, True, "{:.4%}")]
     lines += leak_lines(fa, fb)
-    lines.append(errors_line(fa, fb, alpha))
-    lines += latency_lines(da, db, alpha)
-    lines.append(_plain("throughput (output tok/s)", fa["latency"].get("output_tokens_per_s"),
-                        fb["latency"].get("output_tokens_per_s"), True, "{:.1f}"))
-    ca, cb = fa["cost"].get("per_million_tokens"), fb["cost"].get("per_million_tokens")
-    cur = {(f.get("prices") or {}).get("currency") for f in (fa["cost"], fb["cost"])} - {None}
+    lines += traffic_lines(da, db, alpha, latency)
+    lines.append(_plain("throughput (output tok/s)", fa.traffic.output_tokens_per_s, fb.traffic.output_tokens_per_s,
+                        True, "{:.1f}"))
+    ca, cb = fa.cost.per_million_tokens, fb.cost.per_million_tokens
+    cur = {f.cost.prices.currency for f in (fa, fb) if f.cost.prices} if fa.cost.prices or fb.cost.prices else set()
     unit = f" {cur.pop()}" if len(cur) == 1 else ""
-    lines.append(_plain("cost per M tokens", ca and ca["cost"], cb and cb["cost"], False, "{:,.2f}" + unit))
-    ta, tb = fa["cost"].get("tokens_per_kwh"), fb["cost"].get("tokens_per_kwh")
-    lines.append(_plain("tokens per kWh", ta, tb, True, "{:,.0f}"))
-    sig = [x for x in lines if x["significant"] and x["better"]]
-    wins = {w: sum(1 for x in sig if x["better"] == w) for w in ("A", "B")}
-    rel = next((x for x in lines if x["figure"] == "unplanned failures"), None)
-    if not sig:
-        overall = (f"No significant difference at {confidence:.0%} on any tested figure "
-                   f"(A: {fa['label']}, B: {fb['label']})")
+    lines.append(_plain("cost per M tokens", ca.cost if ca else None, cb.cost if cb else None, False, "{:,.2f}" + unit))
+    lines.append(_plain("tokens per kWh", fa.cost.tokens_per_kwh, fb.cost.tokens_per_kwh, True, "{:,.0f}"))
+    wins = [x for x in lines if x.better]
+    count = {w: sum(1 for x in wins if x.better == w) for w in ("A", "B")}
+    rel = lines[0]
+    if not wins:
+        overall = (f"No difference at {confidence:.0%} and {PRACTICAL_PCT:g} % on any tested figure "
+                   f"(A: {fa.label}, B: {fb.label})")
         best = None
     else:
-        best = "A" if wins["A"] > wins["B"] else "B" if wins["B"] > wins["A"] else (
-            rel["better"] if rel and rel["significant"] else None)
-        names = ", ".join(x["figure"] for x in sig if x["better"] == best) if best else ""
-        overall = (f"{best} ({fa['label'] if best == 'A' else fb['label']}) is better: "
-                   f"significant at {confidence:.0%} on {names} ({wins[best]} of {len(sig)} significant figures)"
-                   if best else f"Mixed: A wins {wins['A']}, B wins {wins['B']} significant figures at {confidence:.0%}")
-    return {"overall": overall, "better": best, "confidence": confidence, "lines": lines}
+        best = "A" if count["A"] > count["B"] else "B" if count["B"] > count["A"] else rel.better
+        names = ", ".join(x.figure for x in wins if x.better == best) if best else ""
+        overall = (f"{best} ({fa.label if best == 'A' else fb.label}) is better: on {names} ({count[best]} of "
+                   f"{len(wins)} differences, each significant at {confidence:.0%} and at least {PRACTICAL_PCT:g} %)"
+                   if best else f"Mixed: A better on {count['A']}, B on {count['B']} figures")
+    return Verdict(overall, best, confidence, PRACTICAL_PCT, lines)
+

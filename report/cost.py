@@ -1,8 +1,9 @@
 """What a million tokens costs: energy from the GPUs' own power readings, prices from a file.
 
 Energy is measured: the watchdog's NVML samples carry each GPU's power draw; integrated over
-time (trapezoids between samples) over the soak's span it gives kWh, and the soak's output
-tokens over it give tokens per kWh. Prices are not measured: they come from a small TOML file
+time (trapezoids between samples) over the span of what was served it gives kWh, and the output
+tokens served over it (vLLM's usage records, counted by the runtime at the proxy, else the
+soak's) give tokens per kWh. Prices are not measured: they come from a small TOML file
 (`--prices`), one `[[box]]` per kind of box, picked by a substring of the report's label:
 
     currency = "USD"
@@ -21,7 +22,7 @@ tokens over it give tokens per kWh. Prices are not measured: they come from a sm
     power_w = 382.0          # per card; used only when the ledger has no power readings
 
 $/M tokens = (capital over `years` + operations + power, per hour) / output tokens per hour at
-the soak's measured throughput (the offered load: a soak below capacity overstates the cost).
+the measured throughput (the offered load: a box served below capacity costs more per token).
 The 3-year TCO adds the outages the ledger saw, extrapolated per month, times the cost of one.
 """
 
@@ -36,8 +37,10 @@ import numpy as np
 
 from vllm_guard.core.config import tomllib
 from vllm_guard.core.errors import UsageError
+from vllm_guard.core.reliability import ServiceFigures
 from vllm_guard.core.samples import Tick
-from vllm_guard.core.timefmt import epoch
+
+from .figures import CostFigures, PerMillion, PriceRef, Tco, TrafficFigures
 
 HOURS_PER_MONTH = 730.0
 _TOP = {"currency": str, "power_price_per_kwh": float, "hours_per_year": float, "years": float, "source": str}
@@ -158,79 +161,77 @@ def energy_kwh(series: dict[str, tuple[np.ndarray, np.ndarray]], t0: float, t1: 
     return (total_j / 3.6e6, covered) if covered > 0 else None
 
 
-def cost_report(ticks: list[Tick] | None, lat: dict[str, Any], req: dict[str, np.ndarray],
-                svc: dict[str, Any], label: str, prices: Prices | None) -> dict[str, Any]:
+def cost_report(ticks: list[Tick] | None, traffic: TrafficFigures, t0: float | None, t1: float | None,
+                svc: ServiceFigures, label: str, prices: Prices | None) -> CostFigures:
+    """`traffic`: what was served (the runtime's counts, else the soak's) over [t0, t1]."""
     series = gpu_power_series(ticks)
-    out: dict[str, Any] = {"energy_kwh": None, "mean_power_w": None, "gpus_metered": len(series),
-                           "output_tokens": None, "tokens_per_kwh": None, "prices": None, "per_million_tokens": None,
-                           "tco": None, "notes": []}
-    notes: list[str] = out["notes"]
-    span = None
-    if lat.get("present"):
-        sent, ended = req["sent_at"], req["ended_at"]
-        span = (float(np.nanmin(sent)), float(np.nanmax(ended)))
-        ok_tokens = req["output_tokens"][np.isfinite(req["output_tokens"])]
-        out["output_tokens"] = int(ok_tokens.sum())
+    notes: list[str] = []
+    tokens = traffic.output_tokens if traffic.present and traffic.usage_known else None
+    tokens_from = (f"{traffic.source} usage records ({traffic.usage_known} of {traffic.completed} completed "
+                   f"requests carried one)" if tokens is not None else "")
+    energy = mean_w = per_kwh = None
     if not series:
         notes.append("no GPU power readings (watchdog NVML samples): tokens per kWh not measurable")
-    elif span is None:
-        notes.append("no soak requests: tokens per kWh needs the soak's token counts")
+    elif t0 is None or t1 is None:
+        notes.append("no requests recorded: tokens per kWh needs token counts")
     else:
-        e = energy_kwh(series, *span)
+        e = energy_kwh(series, t0, t1)
         if e is None:
-            notes.append("fewer than two power readings inside the soak's span")
+            notes.append("fewer than two power readings inside the served span")
         else:
-            kwh, covered = e
-            out["energy_kwh"] = kwh
-            out["mean_power_w"] = kwh * 3.6e6 / covered
-            if kwh > 0 and out["output_tokens"]:
-                out["tokens_per_kwh"] = out["output_tokens"] / kwh
+            energy, covered = e
+            mean_w = energy * 3.6e6 / covered
+            if energy > 0 and tokens:
+                per_kwh = tokens / energy
+    base: dict[str, Any] = dict(energy_kwh=energy, mean_power_w=mean_w, gpus_metered=len(series), output_tokens=tokens,
+                tokens_from=tokens_from, tokens_per_kwh=per_kwh, notes=notes)
     if prices is None:
-        notes.append("no price file (--prices): no $/M tokens or TCO")
-        return out
+        notes.append("no price file (--prices): no cost per million tokens or TCO")
+        return CostFigures(**base)
     box = prices.box_for(label) or (prices.boxes[0] if len(prices.boxes) == 1 else None)
     if box is None:
         notes.append(f"{prices.path}: no [[box]] whose match is in the label {label!r}")
-        return out
-    out["prices"] = {"file": prices.path, "box": box.name or box.match, "currency": prices.currency,
-                     "source": box.source or prices.source}
-    if out["mean_power_w"] is not None:
-        power_w, power_from = out["mean_power_w"], "measured (NVML, mean over the soak)"
+        return CostFigures(**base)
+    ref = PriceRef(prices.path, box.name or box.match, prices.currency, box.source or prices.source)
+    if mean_w is not None:
+        power_w, power_from = mean_w, "measured (NVML, mean over the served span)"
     elif box.power_w is not None:
         power_w, power_from = box.power_w * box.cards, "price file (power_w x cards), not measured"
     else:
         power_w, power_from = None, "unknown"
     hours = prices.hours_per_year * prices.years
-    per_h = {"capital": box.capital / hours, "operations": box.operations_per_year / prices.hours_per_year,
-             "power": None if power_w is None else power_w / 1000.0 * prices.power_price_per_kwh}
-    tok_s = lat.get("output_tokens_per_s") if lat.get("present") else None
+    per_h: dict[str, float | None] = {
+        "capital": box.capital / hours, "operations": box.operations_per_year / prices.hours_per_year,
+        "power": None if power_w is None else power_w / 1000.0 * prices.power_price_per_kwh}
+    tok_s = traffic.output_tokens_per_s if traffic.present else None
+    per_m = None
     if tok_s and power_w is not None:
         hourly = sum(v for v in per_h.values() if v is not None)
-        out["per_million_tokens"] = {"cost": hourly / (tok_s * 3600.0) * 1e6, "output_tokens_per_s": tok_s,
-                                     "hourly": hourly, "hourly_parts": per_h, "power_w": power_w,
-                                     "power_from": power_from}
+        per_m = PerMillion(hourly / (tok_s * 3600.0) * 1e6, tok_s, hourly, per_h, power_w, power_from)
     elif not tok_s:
-        notes.append("no soak throughput: no $/M tokens")
-    observed_h = svc.get("observed_h") or 0.0
-    outages = svc.get("failures_unplanned") or 0
+        notes.append("no output token throughput (no usage records): no cost per million tokens")
+    observed_h = svc.observed_h or 0.0
+    outages = svc.failures_unplanned or 0
     per_month = outages / observed_h * HOURS_PER_MONTH if observed_h > 0 else None
     energy_cost = None if power_w is None else power_w / 1000.0 * hours * prices.power_price_per_kwh
     downtime = None if per_month is None else per_month * prices.years * 12 * box.downtime_cost_per_outage
-    parts = {"cards": box.cards * box.card_price, "host": box.host_price, "psu_cooling": box.psu_cooling_price,
-             "power": energy_cost, "operations": box.operations_per_year * prices.years, "downtime": downtime}
-    out["tco"] = {"years": prices.years, "total": None if None in parts.values() else sum(v for v in parts.values() if v is not None),
-                  "parts": parts, "power_w": power_w, "power_from": power_from,
-                  "outages_per_month": per_month, "outages_from": f"{outages} unplanned in {observed_h:.3g} h observed"}
-    return out
+    parts: dict[str, float | None] = {
+        "cards": box.cards * box.card_price, "host": box.host_price, "psu_cooling": box.psu_cooling_price,
+        "power": energy_cost, "operations": box.operations_per_year * prices.years, "downtime": downtime}
+    total = None if any(v is None for v in parts.values()) else sum(v for v in parts.values() if v is not None)
+    tco = Tco(prices.years, total, parts, power_w, power_from, per_month,
+              f"{outages} unplanned in {observed_h:.3g} h observed")
+    return CostFigures(prices=ref, per_million_tokens=per_m, tco=tco, **base)
 
 
-def headline(c: dict[str, Any]) -> str:
+def headline(c: CostFigures) -> str:
     bits = []
-    if c["tokens_per_kwh"] is not None:
-        bits.append(f"{c['tokens_per_kwh']:,.0f} output tokens/kWh ({c['mean_power_w']:.0f} W mean)")
-    p = c.get("prices")
-    if c["per_million_tokens"] is not None and p:
-        bits.append(f"{c['per_million_tokens']['cost']:,.2f} {p['currency']}/M tokens at the soak's load")
-    if c["tco"] is not None and c["tco"]["total"] is not None and p:
-        bits.append(f"{c['tco']['years']:g}-year TCO {c['tco']['total']:,.0f} {p['currency']} ({p['box']})")
-    return "; ".join(bits) if bits else "; ".join(c["notes"]) or "-"
+    p = c.prices
+    if c.per_million_tokens is not None and p:
+        bits.append(f"{c.per_million_tokens.cost:,.2f} {p.currency} per million output tokens at the served "
+                    f"{c.per_million_tokens.output_tokens_per_s:.4g} tok/s")
+    if c.tokens_per_kwh is not None and c.mean_power_w is not None:
+        bits.append(f"{c.tokens_per_kwh:,.0f} output tokens/kWh ({c.mean_power_w:.0f} W mean)")
+    if c.tco is not None and c.tco.total is not None and p:
+        bits.append(f"{c.tco.years:g}-year TCO {c.tco.total:,.0f} {p.currency} ({p.box})")
+    return "; ".join(bits) if bits else "; ".join(c.notes) or "-"

@@ -1,16 +1,19 @@
-"""The self-contained HTML report: the verdict first, then the plots on one time axis, then the
-full text report and the JSON figures.
+"""The self-contained HTML report: the verdict first, then one section per question with its
+figures and plots on one time axis, then the full text report and the JSON figures.
 
 No scripts, no external CSS or fonts: it opens from a file on a machine without network.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 from typing import Any
 
 from . import plots
+from .compare import Verdict
+from .figures import Report, to_json
 from .ledgerread import LedgerData
 from .text import render_compare_text, render_text
 
@@ -30,24 +33,84 @@ def _img(b64: str | None, alt: str, note: str) -> str:
     return f'<figure><img class="plot" alt="{html.escape(alt)}" src="data:image/png;base64,{b64}"></figure>'
 
 
-def _plots(f: dict[str, Any], d: LedgerData) -> str:
-    leak = f["leak"]
-    no_mem = "no memory samples" if not leak["processes"] else "no readings of this kind"
+def _table(head: list[str], rows: list[list[Any]], cls: str) -> str:
+    def cell(v: Any) -> str:
+        return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell(v))}</td>" for v in r) + "</tr>" for r in rows)
+    return (f'<table class="figures {cls}"><tr>' + "".join(f"<th>{html.escape(h)}</th>" for h in head)
+            + f"</tr>{body}</table>")
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(1000 * v, 2)
+
+
+def _sections(f: Report, d: LedgerData) -> str:
+    s, lk, t, sl = f.service, f.leak, f.traffic, f.sla
+    rel = _table(["replica", "up h", "unplanned", "MTBF", "availability %", "planned down s", "unplanned down s"],
+                 [["all", s.up_h, s.failures_unplanned, s.mtbf.headline() if s.mtbf else s.note,
+                   None if s.availability is None else 100 * s.availability, s.downtime_planned_s,
+                   s.downtime_unplanned_s]]
+                 + ([[r.replica, r.service.up_h, r.service.failures_unplanned,
+                      r.service.mtbf.headline() if r.service.mtbf else "-",
+                      None if r.service.availability is None else 100 * r.service.availability,
+                      r.service.downtime_planned_s, r.service.downtime_unplanned_s] for r in f.replicas]
+                    if len(f.replicas) > 1 else []), "reliability")
+    leaks = _table(["replica", "process", "memory", "MB/100 requests", "interval", "MB/h", "points", "verdict",
+                    "time to OOM h"],
+                   [["all" if p.replica is None else p.replica, p.role, p.metric,
+                     p.per_100_requests.slope if p.per_100_requests else None,
+                     f"[{p.per_100_requests.low:.3g}, {p.per_100_requests.high:.3g}]" if p.per_100_requests else "-",
+                     p.per_hour.slope if p.per_hour else None, p.points, p.verdict, p.time_to_oom_h]
+                    for p in lk.processes], "leaks") if lk.processes else f'<p class="note">{html.escape(lk.note)}</p>'
+    hours = _table(["hour", "from (UTC)", "requests", "failed", f"{sl.latency} P99 ms", "tier"],
+                   [[h.hour, h.start, h.requests, h.failed, _ms(h.p99_s), h.tier or "none"] for h in sl.per_hour],
+                   "sla") if sl.present else f'<p class="note">{html.escape(sl.note)}</p>'
+    tr = _table(["", "p50 ms", "p95 ms", "p99 ms"],
+                [[n, _ms(q.p50), _ms(q.p95), _ms(q.p99)] for n, q in (("TTFT", t.ttft_s), ("ITL", t.itl_s),
+                                                                      ("E2E", t.e2e_s))], "latency") \
+        if t.present else f'<p class="note">{html.escape(t.note)}</p>'
+    c = f.cost
+    cost = _table(["figure", "value"], [
+        ["cost per M output tokens", f"{c.per_million_tokens.cost:,.2f} {c.prices.currency}"
+         if c.per_million_tokens and c.prices else "-"],
+        ["output tokens", c.output_tokens], ["output tokens/s", t.output_tokens_per_s],
+        ["tokens per kWh", c.tokens_per_kwh], ["TCO", f"{c.tco.total:,.0f} {c.prices.currency}"
+                                               if c.tco and c.tco.total and c.prices else "-"]], "cost") \
+        + "".join(f'<p class="note">{html.escape(n)}</p>' for n in c.notes)
+    no_mem = lk.note if not lk.processes else "no readings of this kind"
+    soak = ""
+    if f.soak.present:
+        q = f.soak
+        soak = ("<h2>Soak (the load generator's own view of its requests)</h2>" + _table(
+            ["", "p50 ms", "p99 ms"], [[n, _ms(x.p50), _ms(x.p99)] for n, x in (
+                ("TTFT", q.ttft_s), ("TTFT from the scheduled send", q.ttft_sched_s), ("E2E", q.e2e_s),
+                ("E2E from the scheduled send", q.e2e_sched_s))], "soak")
+            + f'<p class="note">{q.requests} soak requests, {q.failed} failed: '
+              f'{html.escape(", ".join(f"{k} {v}" for k, v in q.errors.items()) or "no errors")}</p>')
     return "".join((
-        "<h2>Memory</h2>",
-        _img(plots.memory_plot(d, leak, "gpu_mb"), "GPU memory per process", f"{no_mem} (GPU: needs the watchdog's NVML)"),
-        _img(plots.memory_plot(d, leak, "rss_mb"), "host memory per process", no_mem),
-        "<h2>Latency</h2>", _img(plots.latency_plot(d, f["sla"]), "latency over time", "no soak requests"),
-        "<h2>Thermals</h2>", _img(plots.thermal_plot(d), "GPU temperature and clocks", f["thermal"]["note"]),
+        '<h2 id="reliability">Reliability</h2>', rel,
+        '<h2 id="memory">Memory: leaks and time to out of memory</h2>', leaks,
+        _img(plots.memory_plot(d, lk, "gpu_mb"), "GPU memory per process", f"{no_mem} (GPU: needs NVML)"),
+        _img(plots.memory_plot(d, lk, "rss_mb"), "host memory per process", no_mem),
+        f'<h2 id="sla">SLA per hour ({html.escape(sl.source or "-")} requests)</h2>', hours,
+        '<h2 id="latency">Latency</h2>', tr,
+        _img(plots.latency_plot(d, sl, sl.latency), "latency over time", t.note or "no requests recorded"),
+        '<h2 id="throughput">Throughput</h2>',
+        _img(plots.throughput_plot(d), "throughput over time", t.note or "no requests recorded"),
+        '<h2 id="cost">Cost</h2>', cost, soak,
+        '<h2 id="thermals">Thermals</h2>',
+        _img(plots.thermal_plot(d), "GPU temperature and clocks", f.thermal.note),
     ))
 
 
-def _verdict(f: dict[str, Any], title: str = "Verdict") -> str:
-    items = "".join(f"<li>{html.escape(line)}</li>" for line in f["summary"]["lines"])
+def _verdict(f: Report, title: str = "Verdict") -> str:
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in f.summary.lines)
+    conf = f.service.mtbf.confidence if f.service.mtbf else 0.9
     return (f'<section class="verdict" id="verdict"><h2>{html.escape(title)}</h2><ul>{items}</ul>'
-            f'<p class="note">Ledger {html.escape(f["ledger"])}; times are UTC; intervals at '
-            f'{f["service"]["mtbf"]["confidence"] if f["service"].get("mtbf") else f["leak"].get("confidence", 0.9):.0%}.'
-            f"</p></section>")
+            f'<p class="note">Ledger {html.escape(f.ledger)}; times are UTC; MTBF intervals at {conf:.0%}, '
+            f"leak intervals at {f.leak.confidence:.0%}.</p></section>")
 
 
 def _page(title: str, body: str) -> str:
@@ -55,28 +118,29 @@ def _page(title: str, body: str) -> str:
             f"<style>{_CSS}</style></head><body>{body}</body></html>\n")
 
 
-def render_html(f: dict[str, Any], d: LedgerData) -> str:
-    body = (f"<h1>vllm-guard report: {html.escape(f['label'])}</h1>{_verdict(f)}{_plots(f, d)}"
+def render_html(f: Report, d: LedgerData) -> str:
+    body = (f"<h1>vllm-guard report: {html.escape(f.label)}</h1>{_verdict(f)}{_sections(f, d)}"
             f"<h2>All figures</h2><pre>{html.escape(render_text(f))}</pre>"
             f"<h2>Figures (JSON)</h2><details><summary>show</summary><pre>"
-            f"{html.escape(json.dumps(f, indent=1, sort_keys=True))}</pre></details>")
-    return _page(f"vllm-guard report {f['label']}", body)
+            f"{html.escape(json.dumps(to_json(f), indent=1, sort_keys=True))}</pre></details>")
+    return _page(f"vllm-guard report {f.label}", body)
 
 
-def render_compare_html(fa: dict[str, Any], da: LedgerData, fb: dict[str, Any], db: LedgerData,
-                        rows: list[tuple[str, Any, Any]], verdict: dict[str, Any]) -> str:
+def render_compare_html(fa: Report, da: LedgerData, fb: Report, db: LedgerData,
+                        rows: list[tuple[str, Any, Any]], verdict: Verdict) -> str:
     cell = (lambda v: "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
-    lines = "".join(
-        f'<li class="{"sig" if x["significant"] else "ns"}">{html.escape(x["text"])}</li>' for x in verdict["lines"])
+    lines = "".join(f'<li class="{"sig" if x.better else "ns"}">{html.escape(x.text)}</li>' for x in verdict.lines)
     table = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(cell(a))}</td><td>{html.escape(cell(b))}</td></tr>"
                     for k, a, b in rows)
-    body = (f"<h1>vllm-guard compare: A {html.escape(fa['label'])} vs B {html.escape(fb['label'])}</h1>"
-            f'<section class="verdict" id="verdict"><p class="overall">{html.escape(verdict["overall"])}</p>'
-            f"<ul>{lines}</ul><p class=\"note\">Green: significant at {verdict['confidence']:.0%}. "
-            f"A: {html.escape(fa['ledger'])}; B: {html.escape(fb['ledger'])}.</p></section>"
-            f"{_verdict(fa, 'A: ' + fa['label'])}{_verdict(fb, 'B: ' + fb['label'])}"
+    body = (f"<h1>vllm-guard compare: A {html.escape(fa.label)} vs B {html.escape(fb.label)}</h1>"
+            f'<section class="verdict" id="verdict"><p class="overall">{html.escape(verdict.overall)}</p>'
+            f"<ul>{lines}</ul><p class=\"note\">Green: a difference, significant at {verdict.confidence:.0%} and at "
+            f"least {verdict.practical_pct:g} %. A: {html.escape(fa.ledger)}; B: {html.escape(fb.ledger)}.</p></section>"
+            f"{_verdict(fa, 'A: ' + fa.label)}{_verdict(fb, 'B: ' + fb.label)}"
             f"<h2>Side by side</h2><table><tr><th>figure</th><th>A</th><th>B</th></tr>{table}</table>"
-            f"<h1>A: {html.escape(fa['label'])}</h1>{_plots(fa, da)}"
-            f"<h1>B: {html.escape(fb['label'])}</h1>{_plots(fb, db)}"
-            f"<h2>All figures</h2><pre>{html.escape(render_compare_text(fa, fb, rows, verdict))}</pre>")
+            f"<h1>A: {html.escape(fa.label)}</h1>{_sections(fa, da)}"
+            f"<h1>B: {html.escape(fb.label)}</h1>{_sections(fb, db)}"
+            f"<h2>All figures</h2><pre>{html.escape(render_compare_text(fa, fb, rows, verdict))}</pre>"
+            f"<details><summary>verdict (JSON)</summary><pre>"
+            f"{html.escape(json.dumps(dataclasses.asdict(verdict), indent=1, default=str))}</pre></details>")
     return _page("vllm-guard compare", body)

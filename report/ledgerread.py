@@ -21,7 +21,9 @@ from vllm_guard.core import ledger
 from vllm_guard.core.errors import ProtocolError
 from vllm_guard.core.ledger import LedgerError, RuntimeHistory
 from vllm_guard.core.protocol import decode
-from vllm_guard.core.samples import SoakStatusRecord, Tick
+from vllm_guard.core.samples import SoakStatusRecord, Tick, tick_sources
+
+from .hist import Hist
 
 REQUEST_FIELDS = ("seq", "sent_at", "ended_at", "scheduled_at", "ttft_s", "ttft_sched_s", "e2e_s", "e2e_sched_s",
                   "itl_mean_s", "output_tokens", "generation")
@@ -55,6 +57,7 @@ class Incident:
     detected_at: str
     action: str | None
     restored_at: str | None
+    replica: int | None = None  # the replica it is about; None: the box, the runtime, or a ledger before schema 3
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,57 @@ class WatchdogMeta:
     gpu_names: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class EdgeMinute:
+    """One `edge_minutes` row: one replica's requests that ended in one minute (the runtime's)."""
+
+    minute: int  # epoch seconds of the minute's start
+    replica: int
+    requests: int
+    completed: int
+    failed: int
+    rejected: int
+    disconnected: int
+    prompt_tokens: int
+    completion_tokens: int
+    usage_known: int
+    ttft: Hist
+    e2e: Hist
+    itl: Hist
+
+
+@dataclass(frozen=True)
+class ProcessMemoryRow:
+    """One `process_memory` row: the runtime's reading of one process."""
+
+    at: float
+    replica: int
+    generation: int
+    pid: int
+    role: str
+    requests: int | None
+    rss_mb: float | None
+    uss_mb: float | None
+    swap_mb: float | None
+    gpu_mb: float | None
+    host_available_mb: float | None
+    gpu_free_mb: float | None
+
+
+@dataclass(frozen=True)
+class RuntimeMeta:
+    """The `runtime.<key>` rows of `meta`: what the runtime measured with."""
+
+    memory_warmup_requests: int | None = None
+    request_retention_s: float | None = None
+
+
+MINUTE_FIELDS = ("minute", "replica", "requests", "completed", "failed", "rejected", "disconnected", "prompt_tokens",
+                 "completion_tokens", "usage_known")
+MEMORY_FIELDS = ("at", "replica", "generation", "pid", "role", "requests", "rss_mb", "uss_mb", "swap_mb", "gpu_mb",
+                 "host_available_mb", "gpu_free_mb")
+
+
 @dataclass
 class LedgerData:
     path: str
@@ -113,26 +167,34 @@ class LedgerData:
     errors: list[str | None] = field(default_factory=list)  # the error column, row-aligned
     watchdog_meta: WatchdogMeta = field(default_factory=WatchdogMeta)
     meta_problems: Problems = field(default_factory=Problems)
+    edge_minutes: list[EdgeMinute] = field(default_factory=list)  # the runtime's traffic, per minute
+    minute_problems: Problems = field(default_factory=Problems)
+    edge_request_rows: int = 0  # per-request rows the runtime kept (its retention)
+    edge_span: tuple[float, float] | None = None  # first arrival, last end of those rows
+    process_memory: list[ProcessMemoryRow] = field(default_factory=list)
+    runtime_meta: RuntimeMeta = field(default_factory=RuntimeMeta)
 
 
 def _ticks(conn: sqlite3.Connection, problems: Problems) -> list[Tick]:
-    """The watchdog writes one row per source per tick (same `at`): one Tick per `at`."""
-    by_at: dict[str, dict[str, Any]] = {}
-    for at, source, data in conn.execute("SELECT at, source, data FROM samples ORDER BY id"):
-        sources = by_at.setdefault(str(at), {})
+    """The watchdog writes one row per source (and per replica) per tick (same `at`): one Tick
+    per `at`. A ledger older than schema 3 has no `replica` column: every row is box-wide."""
+    replica = "replica" if "replica" in ledger.columns(conn, "samples") else "NULL"
+    by_at: dict[str, list[tuple[str, int | None, Any]]] = {}
+    bad: dict[str, str] = {}
+    for at, source, data, rep in conn.execute(f"SELECT at, source, data, {replica} FROM samples ORDER BY id"):
+        rows = by_at.setdefault(str(at), [])
         try:
-            sources[str(source)] = json.loads(data)
+            rows.append((str(source), rep, json.loads(data)))
         except ValueError as e:
-            sources.setdefault("_bad", f"source {source}: not JSON ({e})")
+            bad.setdefault(str(at), f"source {source}: not JSON ({e})")
     out = []
     problems.rows = len(by_at)
-    for at, sources in by_at.items():
-        bad = sources.pop("_bad", None)
-        if bad:
-            problems.add(f"tick {at}", ProtocolError(bad))
+    for at, rows in by_at.items():
+        if at in bad:
+            problems.add(f"tick {at}", ProtocolError(bad[at]))
             continue
         try:
-            tick: Tick = decode(Tick, {"at": at, **sources})
+            tick: Tick = decode(Tick, {"at": at, **tick_sources(rows)})
         except ProtocolError as e:
             problems.add(f"tick {at}", e)
             continue
@@ -197,6 +259,34 @@ def _requests(conn: sqlite3.Connection, d: LedgerData) -> None:
                   for k, c in zip(REQUEST_FIELDS, cols)}
 
 
+def _edge_minutes(conn: sqlite3.Connection, problems: Problems) -> list[EdgeMinute]:
+    out = []
+    for r in conn.execute(f"SELECT {', '.join(MINUTE_FIELDS)}, ttft, e2e, itl FROM edge_minutes ORDER BY minute, id"):
+        problems.rows += 1
+        try:
+            hists = [Hist.from_json(r[k]) for k in ("ttft", "e2e", "itl")]
+        except (ValueError, TypeError) as e:
+            problems.add(f"edge_minutes at {r['minute']}", e)
+            continue
+        ints = {k: int(r[k] or 0) for k in MINUTE_FIELDS}
+        out.append(EdgeMinute(**ints, ttft=hists[0], e2e=hists[1], itl=hists[2]))
+    return out
+
+
+def _runtime_meta(conn: sqlite3.Connection) -> RuntimeMeta:
+    found: dict[str, Any] = {}
+    for key, value in conn.execute("SELECT key, value FROM meta WHERE key LIKE 'runtime.%'"):
+        name = str(key).removeprefix("runtime.")
+        try:
+            if name == "memory_warmup_requests":
+                found[name] = int(value)
+            elif name == "request_retention_s":
+                found[name] = float(value)
+        except ValueError:
+            continue  # a value of another version: the report's defaults apply
+    return RuntimeMeta(**found)
+
+
 def load(path: str | Path, run_id: int | None = None) -> LedgerData:
     """Everything the report shows; LedgerError when the file is not a ledger, or `run_id`
     names no soak run in it."""
@@ -206,9 +296,20 @@ def load(path: str | Path, run_id: int | None = None) -> LedgerData:
         t = ledger.tables(conn)
         d = LedgerData(path=str(p), runtime=ledger.read_runtime(conn))
         d.watchdog_meta = _watchdog_meta(conn, d.meta_problems)
+        d.runtime_meta = _runtime_meta(conn)
+        if "edge_minutes" in t:
+            d.edge_minutes = _edge_minutes(conn, d.minute_problems)
+        if "edge_requests" in t:
+            n, lo, hi = conn.execute("SELECT COUNT(*), MIN(arrived), MAX(arrived + e2e_s) FROM edge_requests").fetchone()
+            d.edge_request_rows = int(n)
+            d.edge_span = (float(lo), float(hi)) if n and lo is not None and hi is not None else None
+        if "process_memory" in t:
+            d.process_memory = [ProcessMemoryRow(*r) for r in conn.execute(
+                f"SELECT {', '.join(MEMORY_FIELDS)} FROM process_memory ORDER BY at, id")]
         if "incidents" in t:
+            replica = "replica" if "replica" in ledger.columns(conn, "incidents") else "NULL"
             d.incidents = [Incident(*r) for r in conn.execute(
-                "SELECT kind, cause, class, detected_at, action, restored_at FROM incidents ORDER BY id")]
+                f"SELECT kind, cause, class, detected_at, action, restored_at, {replica} FROM incidents ORDER BY id")]
         if "samples" in t:
             d.ticks = _ticks(conn, d.tick_problems)
         if "soak_samples" in t:

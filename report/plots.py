@@ -1,11 +1,13 @@
 """Matplotlib figures for the HTML report, returned as base64 PNG (no network, no files).
 
 Every plot shares one time axis: the same window (`window(d)`), the same size and margins, so
-the four images line up one under the other, with UTC stated on the axis. Memory plots show
-each process's readings per generation (the line breaks at a recycle), the Theil-Sen fit of
-each generation, recycles (grey dashes) and unplanned failures (red), and where memory runs
-out at the end (the headroom line with the forecast time). Latency is on a log axis (positive
-values only) with the SLA bounds drawn; thermals name every line in one legend.
+the images line up one under the other, with UTC stated on the axis. Memory plots show each
+process's readings per generation (the line breaks at a recycle), the Theil-Sen fit of each
+generation after the warm-up, recycles (grey dashes) and unplanned failures (red), and where
+memory runs out at the end for a leak shown (the headroom line with the forecast time). Latency
+is per minute (p50 and p99 of TTFT and E2E, from the runtime's histograms or the soak's
+requests) on a log axis with the SLA bounds drawn; throughput is requests and output tokens per
+second per minute; thermals name every line in one legend.
 """
 
 from __future__ import annotations
@@ -21,16 +23,16 @@ matplotlib.use("Agg")
 import matplotlib.dates as mdates  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from scipy.stats import theilslopes  # noqa: E402
 
 from vllm_guard.core import gpu  # noqa: E402
 from vllm_guard.core.ledger import UNPLANNED  # noqa: E402
+from vllm_guard.core.stats import theil_sen  # noqa: E402
 from vllm_guard.core.timefmt import epoch  # noqa: E402
 
-from . import memory, thermal  # noqa: E402
+from . import memory, thermal, traffic  # noqa: E402
+from .figures import LeakFigures, SlaFigures  # noqa: E402
 from .ledgerread import LedgerData  # noqa: E402
 
-MAX_POINTS = 5000
 UTC = dt.timezone.utc
 SIZE = (11, 4.0)
 MARGINS = {"left": 0.08, "right": 0.92, "top": 0.9, "bottom": 0.3}
@@ -61,6 +63,10 @@ def window(d: LedgerData) -> tuple[float, float] | None:
         v = d.requests.get(col)
         if v is not None and np.isfinite(v).any():
             ts += [float(np.nanmin(v)), float(np.nanmax(v))]
+    if d.edge_minutes:
+        ts += [float(d.edge_minutes[0].minute), float(max(m.minute for m in d.edge_minutes) + 60)]
+    if d.process_memory:
+        ts += [d.process_memory[0].at, d.process_memory[-1].at]
     if not ts:
         return None
     lo, hi = min(ts), max(ts)
@@ -106,32 +112,32 @@ def _finish(ax: Any, title: str, ylabel: str, extra: list[Any] | None = None) ->
                   frameon=False)
 
 
-def memory_plot(d: LedgerData, leak: dict[str, Any], metric: str) -> str | None:
+def memory_plot(d: LedgerData, leak: LeakFigures, metric: str) -> str | None:
     """One memory kind (`rss_mb` host, `gpu_mb` GPU) per process role, with fits and headroom."""
-    pts = memory.points_from_watchdog(d.ticks) or memory.points_from_soak(d.soak_samples)
+    pts, _ = memory.points_of(d)
     pts = [p for p in pts if p.metric(metric) is not None]
     if not pts or not any(p.metric(metric) for p in pts):
         return None
-    warm = leak.get("warmup_requests", 0)
     fig, ax = _axes(d)
     for role in sorted({p.role for p in pts}):
         sel = sorted((p for p in pts if p.role == role), key=lambda p: p.t)
         color = ROLE_COLORS.get(role, "tab:brown")
-        t = np.array([p.t for p in sel])
-        gen = np.array([p.generation if p.generation is not None else -p.pid for p in sel])
-        y = np.array([p.metric(metric) for p in sel], float)
-        yy = y.copy()
-        yy[1:][np.diff(gen) != 0] = np.nan  # break the line at each recycle
-        ax.plot(_dates(t), yy, lw=1.2, color=color, label=f"{role}")
+        for k, (key, group) in enumerate(_by_generation(sel).items()):
+            t = np.array([p.t for p in group])
+            y = np.array([p.metric(metric) for p in group], float)
+            ax.plot(_dates(t), y, lw=1.2, color=color, label=role if k == 0 else None)
         fitted = False
-        for g in np.unique(gen):
-            m = (gen == g) & np.array([p.requests is None or p.requests >= warm for p in sel])
-            if m.sum() < 5 or np.ptp(t[m]) <= 0:
+        for key, s in memory.series(sel, metric, leak.warmup_requests).items():
+            if len(s.t) < 5 or np.ptp(np.asarray(s.t)) <= 0:
                 continue
-            res = theilslopes(y[m], t[m])
-            ends = np.array([t[m][0], t[m][-1]])
-            ax.plot(_dates(ends), res.intercept + res.slope * ends, color="black", lw=1, ls=":",
-                    label=None if fitted else f"{role} fit per generation")
+            fit = theil_sen(s.t, s.y)
+            if fit is None:
+                continue
+            t = np.asarray(s.t, float)
+            icept = float(np.median(np.asarray(s.y, float) - fit.slope * t))
+            ends = np.array([t[0], t[-1]])
+            ax.plot(_dates(ends), icept + fit.slope * ends, color="black", lw=1, ls=":",
+                    label=None if fitted else f"{role} fit per generation (after warm-up)")
             fitted = True
     _headroom(ax, leak, metric)
     _markers(ax, d)
@@ -140,52 +146,81 @@ def memory_plot(d: LedgerData, leak: dict[str, Any], metric: str) -> str | None:
     return _png(fig)
 
 
-def _headroom(ax: Any, leak: dict[str, Any], metric: str) -> None:
-    """Where the fastest-growing process runs out: its last reading + the headroom left."""
-    procs = [p for p in leak.get("processes", []) if p["metric"] == metric and p["time_to_oom_h"] is not None
-             and p["last_mb"] is not None]
+def _by_generation(sel: list[memory.MemPoint]) -> dict[tuple[int, int | None, int], list[memory.MemPoint]]:
+    """One line per process of a generation (the line breaks at a recycle)."""
+    out: dict[tuple[int, int | None, int], list[memory.MemPoint]] = {}
+    for p in sel:
+        out.setdefault((p.replica, p.generation, p.pid), []).append(p)
+    return out
+
+
+def _headroom(ax: Any, leak: LeakFigures, metric: str) -> None:
+    """Where the fastest leak runs out: its last reading + the headroom left (leaks shown only)."""
+    procs = [p for p in leak.processes if p.metric == metric and p.replica is None and p.time_to_oom_h is not None
+             and p.last_mb is not None and p.headroom_mb is not None]
     if not procs:
         return
-    p = min(procs, key=lambda p: p["time_to_oom_h"])
-    head = leak.get("gpu_headroom_mb_end") if metric == "gpu_mb" else leak.get("host_available_mb_end")
-    if head is None:
-        return
-    limit = p["last_mb"] + head
-    top = max(ax.get_ylim()[1], p["last_mb"] * 1.05)
+    p = min(procs, key=lambda p: p.time_to_oom_h or 0.0)
+    assert p.last_mb is not None and p.headroom_mb is not None and p.time_to_oom_h is not None
+    limit = p.last_mb + p.headroom_mb
+    top = max(ax.get_ylim()[1], p.last_mb * 1.05)
     if limit <= top * 1.6:
-        ax.axhline(limit, color="tab:red", ls="--", lw=1, label=f"out of memory ({p['role']})")
-    h = p["time_to_oom_h"]
-    ax.text(0.99, 0.03, f"forecast: {p['role']} out of memory in {h:.3g} h at {p['per_hour']['slope']:+.3g} MB/h",
+        ax.axhline(limit, color="tab:red", ls="--", lw=1, label=f"out of memory ({p.role})")
+    slope = p.per_hour.slope if p.per_hour is not None else 0.0
+    ax.text(0.99, 0.03, f"forecast: {p.role} out of memory in {p.time_to_oom_h:.3g} h at {slope:+.3g} MB/h",
             transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color="tab:red",
             bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
 
 
-def latency_plot(d: LedgerData, sla: dict[str, Any]) -> str | None:
-    r = d.requests
-    if not r or not np.isfinite(r["sent_at"]).any():
+def latency_plot(d: LedgerData, sla: SlaFigures, latency: str = "ttft") -> str | None:
+    """Per minute: TTFT and E2E p50 and p99 (log scale), the SLA bounds, minutes with failures."""
+    blocks, source = traffic.blocks_of(d, latency)
+    box = traffic.per_minute(blocks)
+    if not box:
         return None
-    ok = np.array([e is None for e in d.errors])
-    idx = np.flatnonzero(ok & np.isfinite(r["ttft_s"]) & (r["ttft_s"] > 0))
-    if idx.size > MAX_POINTS:
-        idx = idx[np.linspace(0, idx.size - 1, MAX_POINTS).astype(int)]
     fig, ax = _axes(d)
-    t = _dates(r["sent_at"][idx])
-    ax.scatter(t, 1000 * r["ttft_s"][idx], s=4, alpha=0.5, color="tab:blue", label="TTFT")
-    e2e = r["e2e_sched_s"][idx]
-    good = np.isfinite(e2e) & (e2e > 0)
-    ax.scatter(t[good], 1000 * e2e[good], s=4, alpha=0.4, color="tab:orange", label="E2E from scheduled send")
-    ax.set_yscale("log")
+    t = _dates(np.array([b.t + 30.0 for b in box]))
+    for which, name, color in (("ttft", "TTFT", "tab:blue"), ("e2e", "E2E", "tab:orange")):
+        for q, ls, lw in ((0.5, "-", 1.0), (0.99, "-", 2.0)):
+            v = [getattr(b, which).quantile(q) for b in box]
+            y = np.array([np.nan if x is None or not np.isfinite(x) else 1000 * x for x in v])
+            if np.isfinite(y).any():
+                ax.plot(t, y, ls=ls, lw=lw, color=color, alpha=0.6 if q == 0.5 else 1.0,
+                        marker="." if len(box) < 30 else None, label=f"{name} p{round(q * 100)} per minute")
+    if ax.get_lines():
+        ax.set_yscale("log")
     colors = ("tab:green", "tab:olive", "tab:cyan")
-    for i, tier in enumerate(x for x in sla.get("tiers", []) if x["bound_s"] is not None):
-        ax.axhline(1000 * tier["bound_s"], color=colors[i % 3], ls="--", lw=1.2,
-                   label=f"SLA {tier['name']}: P99 < {1000 * tier['bound_s']:g} ms")
-    bad = np.flatnonzero(~ok & np.isfinite(r["sent_at"]))
-    if bad.size:
+    for i, tier in enumerate(x for x in sla.tiers if x.bound_s is not None):
+        ax.axhline(1000 * tier.bound_s, color=colors[i % 3], ls="--", lw=1.2,  # type: ignore[operator]
+                   label=f"SLA {tier.name}: P99 < {1000 * tier.bound_s:g} ms")  # type: ignore[operator]
+    bad = [b for b in box if b.failed]
+    if bad:
         top = ax.get_ylim()[1]
-        ax.scatter(_dates(r["sent_at"][bad]), np.full(bad.size, top * 0.8), marker="x", color="tab:red", s=16,
-                   label=f"failed request ({bad.size})")
+        ax.scatter(_dates(np.array([b.t + 30.0 for b in bad])), np.full(len(bad), top * 0.8), marker="x",
+                   color="tab:red", s=16, label=f"minutes with failed requests ({sum(b.failed for b in bad)})")
     _markers(ax, d)
-    _finish(ax, "Latency per request (log scale) with SLA bounds", "ms")
+    _finish(ax, f"Latency per minute ({source} requests, log scale) with SLA bounds", "ms")
+    return _png(fig)
+
+
+def throughput_plot(d: LedgerData) -> str | None:
+    """Per minute: requests/s (left) and output tokens/s (right) of what was served."""
+    blocks, source = traffic.blocks_of(d)
+    box = traffic.per_minute(blocks)
+    if not box:
+        return None
+    fig, ax = _axes(d)
+    t = _dates(np.array([b.t + 30.0 for b in box]))
+    ax.plot(t, [b.requests / 60.0 for b in box], color="tab:blue", lw=1.5, marker="." if len(box) < 30 else None,
+            label="requests/s")
+    ax.plot(t, [b.failed / 60.0 for b in box], color="tab:red", lw=1, label="failed/s")
+    ax2 = ax.twinx()
+    if any(b.usage_known for b in box):
+        ax2.plot(t, [b.output_tokens / 60.0 for b in box], color="tab:green", lw=1.2, label="output tokens/s")
+    ax2.set_ylabel("output tokens/s")
+    ax.set_ylim(bottom=0)
+    _markers(ax, d)
+    _finish(ax, f"Throughput per minute ({source} requests)", "requests/s", extra=[ax2])
     return _png(fig)
 
 

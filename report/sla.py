@@ -1,21 +1,26 @@
 """SLA tiers per hour of the run: which tier did each hour meet?
 
 A tier is a P99 latency bound (the field report's tiers: Interactive P99 < 500 ms, Batch P99
-< 5 s, Offline: none). Each hour from the first send is judged on its own P99 over *all* its
-requests: a failed request did not meet any bound, so it counts as infinitely slow (an hour
+< 5 s, Offline: none). Each hour from the first minute is judged on its own P99 over *all* the
+requests that ended in it (the runtime's per-minute histograms of every request it served, else
+the soak's): a failed request did not meet any bound, so it counts as infinitely slow (an hour
 with more than 1 % failures meets no bounded tier). The latency is TTFT by default (what a
-user of an interactive service waits for; `--sla-latency e2e` judges whole answers).
+user of an interactive service waits for; `--sla-latency e2e` judges whole answers; the
+`_sched` variants, from the soak's scheduled send, apply to soak data; the proxy's clock starts
+at arrival, which is its schedule).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
-
-import numpy as np
+from typing import Any, Sequence
 
 from vllm_guard.core.errors import UsageError
 from vllm_guard.core.timefmt import iso_from_epoch
+
+from .figures import SlaFigures, SlaHour, SlaTier
+from .hist import Hist, merged
+from .traffic import Block, by_hour
 
 DEFAULT_TIERS: tuple[tuple[str, float | None], ...] = (("interactive", 0.5), ("batch", 5.0), ("offline", None))
 LATENCIES = {"ttft": "ttft_s", "e2e": "e2e_s", "ttft_sched": "ttft_sched_s", "e2e_sched": "e2e_sched_s"}
@@ -63,33 +68,38 @@ def tier_of(p99: float | None, tiers: tuple[tuple[str, float | None], ...]) -> s
     return None
 
 
-def sla_report(req: dict[str, np.ndarray], errors: list[str | None],
-               tiers: tuple[tuple[str, float | None], ...] = DEFAULT_TIERS, latency: str = "ttft") -> dict[str, Any]:
-    col = LATENCIES[latency]
-    base = {"latency": latency, "quantile": QUANTILE,
-            "tiers": [{"name": n, "bound_s": b} for n, b in tiers]}
-    if not errors or not np.isfinite(req["sent_at"]).any():
-        return {**base, "present": False, "note": "no soak requests: the SLA needs per-request latencies",
-                "per_hour": [], "hours": 0, "hours_met": {}, "run_tier": None, "run_p99_s": None}
-    sent = req["sent_at"]
-    lat = np.where(np.array([e is None for e in errors]), req[col], np.inf)
-    lat = np.where(np.isnan(lat), np.inf, lat)  # a success without the figure: not met either
-    t0 = float(np.nanmin(sent))
-    hour = np.floor((sent - t0) / 3600.0)
-    rows: list[dict[str, Any]] = []
-    for h in np.unique(hour[np.isfinite(hour)]):
-        m = hour == h
-        p = float(np.percentile(lat[m], QUANTILE))
-        p99 = p if math.isfinite(p) else None
-        rows.append({"hour": int(h), "from": iso_from_epoch(t0 + 3600.0 * h), "requests": int(m.sum()),
-                     "p99_s": p99, "tier": tier_of(p99, tiers)})
-    met = {n: sum(1 for r in rows if r["tier"] is not None and _rank(r["tier"], tiers) <= i)
-           for i, (n, _) in enumerate(tiers)}
-    allp = float(np.percentile(lat[np.isfinite(sent)], QUANTILE))
-    worst = max((_rank(r["tier"], tiers) for r in rows), default=len(tiers))
-    return {**base, "present": True, "note": "", "per_hour": rows, "hours": len(rows), "hours_met": met,
-            "run_p99_s": allp if math.isfinite(allp) else None,
-            "run_tier": tiers[worst][0] if worst < len(tiers) else None}
+def sla_report(blocks: Sequence[Block], source: str | None,
+               tiers: tuple[tuple[str, float | None], ...] = DEFAULT_TIERS, latency: str = "ttft") -> SlaFigures:
+    """Per hour from the first minute: the P99 of the chosen latency over every request that
+    ended in it, a failed one (or one without the figure) counting as infinitely slow."""
+    which = "e2e" if latency.startswith("e2e") else "ttft"
+    base: dict[str, Any] = dict(source=source, latency=latency, quantile=QUANTILE, tiers=[SlaTier(n, b) for n, b in tiers])
+    if not blocks:
+        return SlaFigures(present=False, note="no requests recorded: the SLA needs request latencies", **base)
+    t0 = min(b.t for b in blocks)
+    rows: list[SlaHour] = []
+    judged: list[Hist] = []
+    for h, sel in by_hour(blocks).items():
+        hist = _judged(sel, which)
+        judged.append(hist)
+        p = hist.quantile(QUANTILE / 100.0)
+        p99 = p if p is not None and math.isfinite(p) else None
+        rows.append(SlaHour(h, iso_from_epoch(t0 + 3600.0 * h) or "", sum(b.completed + b.failed for b in sel),
+                            sum(b.failed for b in sel), p99, tier_of(p99, tiers) if hist.n else None))
+    met = {n: sum(1 for r in rows if r.tier is not None and _rank(r.tier, tiers) <= i) for i, (n, _) in enumerate(tiers)}
+    allp = merged(judged).quantile(QUANTILE / 100.0)
+    worst = max((_rank(r.tier, tiers) for r in rows), default=len(tiers))
+    return SlaFigures(present=True, note="", per_hour=rows, hours=len(rows), hours_met=met,
+                      run_p99_s=allp if allp is not None and math.isfinite(allp) else None,
+                      run_tier=tiers[worst][0] if worst < len(tiers) else None, **base)
+
+
+def _judged(blocks: Sequence[Block], which: str) -> Hist:
+    """The latencies of the requests the service answered or failed; failed and unmeasured as inf."""
+    h = merged(getattr(b, which) for b in blocks)
+    served = sum(b.completed + b.failed for b in blocks)
+    h.inf += max(0, served - h.n)
+    return h
 
 
 def _rank(name: str | None, tiers: tuple[tuple[str, float | None], ...]) -> int:
@@ -99,19 +109,17 @@ def _rank(name: str | None, tiers: tuple[tuple[str, float | None], ...]) -> int:
     return len(tiers)
 
 
-def headline(s: dict[str, Any]) -> str:
-    """`batch in every hour (3 of 3); interactive in 1 of 3 (TTFT P99 < 500 ms)`."""
-    if not s["present"]:
-        return s["note"]
-    n = s["hours"]
+def headline(s: SlaFigures) -> str:
+    """`batch in every hour (TTFT, runtime); interactive 1 of 3 h (P99 < 500 ms), ...`."""
+    if not s.present:
+        return s.note
     parts = []
-    for t in s["tiers"]:
-        k = s["hours_met"].get(t["name"], 0)
-        bound = "no bound" if t["bound_s"] is None else f"P99 < {_ms(t['bound_s'])}"
-        parts.append(f"{t['name']} {k} of {n} h ({bound})")
-    lat = {"ttft": "TTFT", "e2e": "E2E"}.get(s["latency"], s["latency"])
-    whole = s["run_tier"] or "none"
-    return f"{whole} in every hour ({lat}); " + ", ".join(parts)
+    for t in s.tiers:
+        k = s.hours_met.get(t.name, 0)
+        bound = "no bound" if t.bound_s is None else f"P99 < {_ms(t.bound_s)}"
+        parts.append(f"{t.name} {k} of {s.hours} h ({bound})")
+    lat = {"ttft": "TTFT", "e2e": "E2E"}.get(s.latency, s.latency)
+    return f"{s.run_tier or 'none'} in every hour ({lat}, {s.source} requests); " + ", ".join(parts)
 
 
 def _ms(s: float) -> str:

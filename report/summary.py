@@ -1,30 +1,27 @@
-"""The verdict block: the answers an operator came for, first, as lines of text.
+"""The verdict block: the five answers an operator came for, first, as lines of text.
 
-Which box is reliable (MTBF with its bounds), how its downtime splits (planned recycles vs
-unplanned), how fast each process leaks and when it runs out of memory, which SLA tier it
-meets, how fast it is, whether its GPUs throttle, what a million tokens cost. Built from the
-figures dict only, so the text report, the HTML and the JSON (`summary`) say the same.
+(1) how reliable the box is (MTBF with its bounds; availability, planned vs unplanned
+downtime), (2) how fast each process leaks, per memory kind, (3) when it runs out of memory
+(only for a leak shown), (4) which SLA tier it met in each hour, (5) what a million tokens cost.
+Then recycles, traffic, the soak's own view when one ran, thermals, the causes of the leaks
+shown (attribution, for a process and memory kind the leak rule holds for), and a line per
+replica when there are several. Built from the typed figures only, so the text report, the HTML
+and the JSON (`summary`) say the same.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from vllm_guard.core.reliability import MTBF
+from vllm_guard.core.reliability import ServiceFigures
 
 from . import cost, sla
-
-ROLE = {"api_server": "API server", "engine_core": "EngineCore", "worker": "worker", "helper": "helper"}
+from .figures import (
+    LeakFigures, ProcessLeak, ReplicaFigures, Report, SoakFigures, Summary, ThermalFigures, TrafficFigures,
+)
+from .memory import hours
 
 
 def _h(v: float | None) -> str:
-    if v is None:
-        return "-"
-    if v < 1:
-        return f"{v * 60:.3g} min"
-    if v > 72:
-        return f"{v / 24:.3g} days"
-    return f"{v:.3g} h"
+    return "-" if v is None else hours(v)
 
 
 def _s(v: float | None) -> str:
@@ -37,107 +34,122 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f} ms" if v >= 0.1 else f"{v * 1000:.1f} ms"
 
 
-def mtbf_line(s: dict[str, Any]) -> str:
-    if not s.get("present") or s.get("mtbf") is None:
-        return f"MTBF: {s.get('note') or 'no runtime data'}"
-    m = MTBF(**s["mtbf"])
-    return f"MTBF {m.headline()}"
+def mtbf_line(s: ServiceFigures) -> str:
+    if not s.present or s.mtbf is None:
+        return f"MTBF: {s.note or 'no runtime data'}"
+    return f"MTBF {s.mtbf.headline()}"
 
 
-def availability_line(s: dict[str, Any]) -> str:
-    if not s.get("present") or s.get("availability") is None:
+def availability_line(s: ServiceFigures) -> str:
+    if not s.present or s.availability is None:
         return "Availability: -"
-    obs = s["observed_h"] * 3600 or 1.0
-    pl, un = s["downtime_planned_s"], s["downtime_unplanned_s"]
-    return (f"Availability {100 * s['availability']:.3f} % of {_h(s['observed_h'])}: planned downtime "
+    obs = s.observed_h * 3600 or 1.0
+    pl, un = s.downtime_planned_s, s.downtime_unplanned_s
+    return (f"Availability {100 * s.availability:.3f} % of {_h(s.observed_h)}: planned downtime "
             f"(recycles) {_s(pl)} ({100 * pl / obs:.2f} %), unplanned {_s(un)} ({100 * un / obs:.2f} %)")
 
 
-def recycles_line(s: dict[str, Any]) -> str:
-    if not s.get("present"):
+def recycles_line(s: ServiceFigures) -> str:
+    if not s.present:
         return "Recycles: -"
-    r = s["recycles"]
-    planned = r["scheduled"] + r["preventive"]
-    served = s["requests_served"]
-    per_gen = served / s["generations"] if s["generations"] else 0
-    return (f"Recycles: {planned} planned ({r['scheduled']} scheduled, {r['preventive']} preventive), "
-            f"{s['failures_unplanned']} unplanned; {served} requests in {s['generations']} generation{'' if s['generations'] == 1 else 's'} "
-            f"({per_gen:.0f} per generation)")
+    planned = s.recycles_scheduled + s.recycles_preventive
+    per_gen = s.requests_served / s.generations if s.generations else 0
+    return (f"Recycles: {planned} planned ({s.recycles_scheduled} scheduled, {s.recycles_preventive} preventive), "
+            f"{s.failures_unplanned} unplanned; {s.requests_served} requests in {s.generations} "
+            f"generation{'' if s.generations == 1 else 's'} ({per_gen:.0f} per generation)")
 
 
-def _growing(p: dict[str, Any]) -> bool:
-    s = p["per_100_requests"]
-    return s["slope"] is not None and s["low"] is not None and s["low"] > 0
+def _box(leak: LeakFigures) -> list[ProcessLeak]:
+    return [p for p in leak.processes if p.replica is None and p.metric in ("rss_mb", "gpu_mb", "swap_mb")]
 
 
-def leak_lines(leak: dict[str, Any]) -> list[str]:
-    procs = [p for p in leak["processes"] if p["metric"] in ("rss_mb", "gpu_mb")]
-    if not procs:
-        return [f"Leaks: {leak['note']}"]
-    out = []
-    for p in procs:
-        if not _growing(p):
-            continue
-        s, h = p["per_100_requests"], p["per_hour"]
-        kind = "GPU" if p["metric"] == "gpu_mb" else "host RSS"
-        tto = p["time_to_oom_h"]
-        budget = "GPU headroom" if p["metric"] == "gpu_mb" else "host available memory"
-        out.append(f"Leak {ROLE.get(p['role'], p['role'])} {kind}: {s['slope']:+.3g} MB/100 requests "
-                   f"[{s['low']:.3g}, {s['high']:.3g}], {h['slope']:+.4g} MB/h; out of memory in "
-                   f"{_h(tto) if tto is not None else 'never at this rate' if h['slope'] is not None and h['slope'] <= 0 else '-'}"
-                   f" ({budget})")
-    if not out:
-        out.append(f"Leaks: none significant at {leak.get('confidence', 0.9):.0%} "
-                   f"({len(procs)} process/memory series fitted)")
-    return out
+def leak_lines(leak: LeakFigures) -> list[str]:
+    if not leak.present:
+        return [f"Leaks: {leak.note}"]
+    procs = _box(leak)
+    shown = [p for p in procs if p.leak]
+    if shown:
+        return [f"Leak {p.verdict}" for p in shown]
+    judged = [p for p in procs if p.per_100_requests is not None]
+    if not judged:
+        return [f"Leaks: no leak shown yet ({len(procs)} process/memory series, none with enough points after "
+                f"the {leak.warmup_requests}-request warm-up)"]
+    top = max(judged, key=lambda p: p.per_100_requests.slope if p.per_100_requests else 0.0)
+    return [f"Leaks: none shown in {len(procs)} process/memory series; fastest: {top.verdict}"]
 
 
-def latency_line(lat: dict[str, Any]) -> str:
-    if not lat.get("present"):
-        return f"Latency: {lat['note']}"
-    t, i, e = lat["ttft_s"], lat["itl_mean_s"], lat["e2e_s"]
-    tp = lat["throughput_rps"]
-    tok = lat["output_tokens_per_s"]
-    return (f"Throughput {tp:.3g} req/s, {tok:.4g} output tok/s" if tp and tok else "Throughput -") + (
-        f"; TTFT p50 {_ms(t['p50'])} p99 {_ms(t['p99'])}; ITL p50 {_ms(i['p50'])} p99 {_ms(i['p99'])}; "
-        f"E2E p50 {_ms(e['p50'])} p99 {_ms(e['p99'])}; errors {lat['failed']} of {lat['requests']} "
-        f"({100 * lat['error_rate']:.3g} %)")
+def oom_line(leak: LeakFigures) -> str:
+    fc = [p for p in _box(leak) if p.time_to_oom_h is not None]
+    if not fc:
+        return "Out of memory: no forecast (no leak shown)" if leak.present else "Out of memory: -"
+    p = min(fc, key=lambda p: p.time_to_oom_h or 0.0)
+    assert p.time_to_oom_h is not None
+    return f"Out of memory: first {p.verdict.split(':')[0]} in {hours(p.time_to_oom_h)} at the current leak"
 
 
-def thermal_line(t: dict[str, Any]) -> str:
-    if not t.get("present"):
-        return f"Thermals: {t['note']}"
+def traffic_line(t: TrafficFigures) -> str:
+    if not t.present:
+        return f"Traffic: {t.note}"
+    tok = f", {t.output_tokens_per_s:.4g} output tok/s" if t.output_tokens_per_s else ""
+    rate = f"{t.throughput_rps:.3g} req/s" if t.throughput_rps else "-"
+    return (f"Traffic ({t.source}): {t.requests} requests in {_h(t.span_s / 3600)}, {rate}{tok}; "
+            f"TTFT p50 {_ms(t.ttft_s.p50)} p99 {_ms(t.ttft_s.p99)}; ITL p50 {_ms(t.itl_s.p50)} p99 {_ms(t.itl_s.p99)}; "
+            f"E2E p50 {_ms(t.e2e_s.p50)} p99 {_ms(t.e2e_s.p99)}; failed {t.failed}, rejected {t.rejected}, "
+            f"client gone {t.disconnected}")
+
+
+def soak_line(s: SoakFigures) -> str | None:
+    if not s.present:
+        return None
+    return (f"Soak (its own client view): {s.requests} requests, errors {s.failed} ({100 * (s.error_rate or 0):.3g} %); "
+            f"TTFT p99 {_ms(s.ttft_s.p99)} (from the scheduled send {_ms(s.ttft_sched_s.p99)}); "
+            f"E2E p99 {_ms(s.e2e_s.p99)}")
+
+
+def thermal_line(t: ThermalFigures) -> str:
+    if not t.present:
+        return f"Thermals: {t.note}"
     parts = []
-    for g in t["gpus"]:
-        thr, cap = g["throttled_share"], g["power_capped_share"]
-        drop = "-" if g["clock_drop_pct"] is None else f"{g['clock_drop_pct']:.1f} %"
-        hot = "-" if g["max_temp_c"] is None else f"{g['max_temp_c']:.0f} C"
-        parts.append(f"{g['name']}: throttled {_pct(thr)} of the time (heat/HW), power-capped {_pct(cap)}, "
-                     f"clock drop {drop}, max {hot}")
+    for g in t.gpus:
+        drop = "-" if g.clock_drop_pct is None else f"{g.clock_drop_pct:.1f} %"
+        hot = "-" if g.max_temp_c is None else f"{g.max_temp_c:.0f} C"
+        parts.append(f"{g.name}: throttled {_pct(g.throttled_share)} of the time (heat/HW), power-capped "
+                     f"{_pct(g.power_capped_share)}, clock drop {drop} (worst window), max {hot}")
     return "Thermals: " + "; ".join(parts)
+
+
+def replica_line(r: ReplicaFigures) -> str:
+    s = r.service
+    mtbf = s.mtbf.headline() if s.present and s.mtbf is not None else "-"
+    leaks = ", ".join(p.verdict.split(":")[0] for p in r.leaks) or "none shown"
+    t = r.traffic
+    lat = f"TTFT p99 {_ms(t.ttft_s.p99)}, {t.requests} requests" if t.present else "no requests recorded"
+    return f"Replica {r.replica}: MTBF {mtbf}; SLA {r.sla_run_tier or '-'} in every hour; {lat}; leaks: {leaks}"
 
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f} %"
 
 
-def summary(f: dict[str, Any]) -> dict[str, Any]:
+def summary(r: Report) -> Summary:
     """The verdict lines (in order) and the figures they quote, for JSON readers."""
-    s = f["service"]
-    lines = [mtbf_line(s), availability_line(s), recycles_line(s), *leak_lines(f["leak"])]
-    att = f.get("attribution") or {}
-    lines += [f"Leak cause: {x}" for x in att.get("lines", [])]
-    lines += [f"SLA: {sla.headline(f['sla'])}", latency_line(f["latency"]), thermal_line(f["thermal"]),
-              f"Cost: {cost.headline(f['cost'])}"]
-    m = s.get("mtbf") or {}
-    return {
-        "lines": lines,
-        "mtbf_h": m.get("mtbf_h"), "mtbf_low_h": m.get("two_sided_low_h"), "mtbf_high_h": m.get("two_sided_high_h"),
-        "mtbf_lower_one_sided_h": m.get("lower_one_sided_h"), "failures_unplanned": s.get("failures_unplanned"),
-        "availability": s.get("availability"), "downtime_planned_s": s.get("downtime_planned_s"),
-        "downtime_unplanned_s": s.get("downtime_unplanned_s"),
-        "leaks": [{"role": p["role"], "metric": p["metric"], "per_100_requests": p["per_100_requests"],
-                   "per_hour": p["per_hour"], "time_to_oom_h": p["time_to_oom_h"]}
-                  for p in f["leak"]["processes"] if _growing(p)],
-        "sla_run_tier": f["sla"].get("run_tier"),
-    }
+    s = r.service
+    lines = [mtbf_line(s), availability_line(s), *leak_lines(r.leak), oom_line(r.leak),
+             f"SLA: {sla.headline(r.sla)}", f"Cost: {cost.headline(r.cost)}", recycles_line(s), traffic_line(r.traffic)]
+    soak = soak_line(r.soak)
+    if soak:
+        lines.append(soak)
+    lines.append(thermal_line(r.thermal))
+    shown = {(p.role, p.metric) for p in _box(r.leak) if p.leak}
+    lines += [f"Leak cause: {a.line}" for a in r.attribution.processes if a.line and (a.role, a.metric) in shown]
+    if len(r.replicas) > 1:
+        lines += [replica_line(x) for x in r.replicas]
+    m = s.mtbf
+    return Summary(
+        lines=lines, mtbf_h=m.mtbf_h if m else None, mtbf_low_h=m.two_sided_low_h if m else None,
+        mtbf_high_h=m.two_sided_high_h if m else None, mtbf_lower_one_sided_h=m.lower_one_sided_h if m else None,
+        failures_unplanned=s.failures_unplanned if s.present else None, availability=s.availability,
+        downtime_planned_s=s.downtime_planned_s if s.present else None,
+        downtime_unplanned_s=s.downtime_unplanned_s if s.present else None,
+        leaks=[p for p in _box(r.leak) if p.leak], sla_run_tier=r.sla.run_tier,
+        cost_per_million_tokens=r.cost.per_million_tokens.cost if r.cost.per_million_tokens else None)

@@ -4,7 +4,8 @@ windows.
 
 What counts as throttled is `core.gpu.throttled()` (heat or a hardware signal), the rule the
 watchdog's detector uses too; the SW power cap is `core.gpu.power_capped()`, shown apart: a
-busy card at its power limit is not throttled.
+busy card at its power limit is not throttled. Clock drop is `core.gpu.clock_drop_pct()`, the
+watchdog's figure, over the worst window of the watchdog's length: what it saw at worst.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from typing import Any
 import numpy as np
 
 from vllm_guard.core import gpu
+from vllm_guard.core.config import WatchdogConfig
 from vllm_guard.core.samples import Tick
 
+from .figures import GpuThermal, ThermalFigures
+
+WINDOW_S = float(WatchdogConfig().thermal_window)  # the watchdog's thermal window
 # every reason bit but idle, by name (core.gpu's names)
 REASONS = {bit: name for bit, name in gpu.REASON_NAMES.items() if bit != gpu.GPU_IDLE}
 
@@ -57,7 +62,25 @@ def _share(known: list[int], pred: Any) -> float | None:
     return sum(1 for r in known if pred(r)) / len(known) if known else None
 
 
-def gpu_figures(uuid: str, pts: list[GpuPoint], request_ends: np.ndarray) -> dict[str, Any]:
+def worst_drop(pts: list[GpuPoint], cmax: float | None, window_s: float = WINDOW_S) -> float | None:
+    """The clock drop (`core.gpu.clock_drop_pct`, the watchdog's figure) of the worst window of
+    the watchdog's length; the whole run's when the run is shorter (what the watchdog saw)."""
+    busy = [(p.t, p) for p in pts if p.sm_clock_mhz and (p.sm_clock_max_mhz or cmax) and not gpu.idle(p.reasons)]
+    if not busy:
+        return None
+    if busy[-1][0] - busy[0][0] < window_s:
+        return gpu.clock_drop_pct((p.sm_clock_mhz, p.sm_clock_max_mhz or cmax, p.reasons) for _, p in busy)
+    t = np.array([b[0] for b in busy])
+    ratio = np.array([p.sm_clock_mhz / (p.sm_clock_max_mhz or cmax) for _, p in busy])  # type: ignore[operator]
+    csum = np.concatenate([[0.0], np.cumsum(ratio)])
+    j = np.searchsorted(t, t - window_s, side="left")  # each window: busy[j[i] .. i]
+    full = (t - t[0]) >= window_s  # windows the watchdog saw whole
+    idx = np.flatnonzero(full)
+    means = (csum[idx + 1] - csum[j[idx]]) / (idx + 1 - j[idx])
+    return float(100.0 * (1.0 - means.min()))
+
+
+def gpu_figures(uuid: str, pts: list[GpuPoint], request_ends: np.ndarray) -> GpuThermal:
     known = [p.reasons for p in pts if p.reasons is not None]
     temps = [p.temp_c for p in pts if p.temp_c is not None]
     busy = [p for p in pts if not gpu.idle(p.reasons)]
@@ -67,26 +90,21 @@ def gpu_figures(uuid: str, pts: list[GpuPoint], request_ends: np.ndarray) -> dic
     cool: list[tuple[float, float]] = []
     for a, b in zip(pts, pts[1:]):
         (hot if gpu.throttled(a.reasons) else cool).append((a.t, b.t))
-    return {
-        "uuid": uuid, "name": pts[0].name, "samples": len(pts),
-        "throttled_share": _share(known, gpu.throttled),
-        "power_capped_share": _share(known, gpu.power_capped),
-        "throttled_share_by_reason": {name: _share(known, lambda r, b=bit: bool(r & b)) for bit, name in REASONS.items()},
-        "max_temp_c": max(temps) if temps else None,
-        "temp_slowdown_c": pts[0].temp_slowdown_c,
-        "sm_clock_max_mhz": cmax, "sm_clock_p50_mhz": float(np.median(clocks)) if clocks else None,
-        "sm_clock_min_mhz": min(clocks) if clocks else None,
-        # p5 of busy clocks vs the max clock: a sustained drop, not one slow sample
-        "clock_drop_pct": (100.0 * (1 - float(np.percentile(clocks, 5)) / cmax) if clocks and cmax else None),
-        "throughput_throttled_rps": _rate(request_ends, hot),
-        "throughput_unthrottled_rps": _rate(request_ends, cool),
-    }
+    return GpuThermal(
+        uuid=uuid, name=pts[0].name, samples=len(pts),
+        throttled_share=_share(known, gpu.throttled), power_capped_share=_share(known, gpu.power_capped),
+        throttled_share_by_reason={name: _share(known, lambda r, b=bit: bool(r & b)) for bit, name in REASONS.items()},
+        max_temp_c=max(temps) if temps else None, temp_slowdown_c=pts[0].temp_slowdown_c,
+        sm_clock_max_mhz=cmax, sm_clock_p50_mhz=float(np.median(clocks)) if clocks else None,
+        sm_clock_min_mhz=min(clocks) if clocks else None,
+        clock_drop_pct=worst_drop(pts, cmax),
+        throughput_throttled_rps=_rate(request_ends, hot), throughput_unthrottled_rps=_rate(request_ends, cool))
 
 
-def thermal_report(ticks: list[Tick] | None, request_ends: np.ndarray) -> dict[str, Any]:
+def thermal_report(ticks: list[Tick] | None, request_ends: np.ndarray) -> ThermalFigures:
     if ticks is None:
-        return {"present": False, "note": "no watchdog samples table in this ledger", "gpus": []}
+        return ThermalFigures(False, "no watchdog samples table in this ledger")
     per_gpu = gpu_points(ticks)
     if not per_gpu:
-        return {"present": False, "note": "no GPU samples (watchdog absent, no NVML, or a CPU-only run)", "gpus": []}
-    return {"present": True, "note": "", "gpus": [gpu_figures(u, pts, request_ends) for u, pts in per_gpu.items()]}
+        return ThermalFigures(False, "no GPU samples (watchdog absent, no NVML, or a CPU-only run)")
+    return ThermalFigures(True, "", [gpu_figures(u, pts, request_ends) for u, pts in per_gpu.items()])

@@ -15,18 +15,18 @@ import fcntl
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, TextIO
 
+from vllm_guard.core import ports
 from vllm_guard.core.config import GuardConfig, load, set_value, validate
 from vllm_guard.core.errors import EXIT_BOOT_ERROR, EXIT_ERROR, EXIT_FAILURE_LIMIT, GuardError, UsageError
 from vllm_guard.core.paths import resolve_state_dir
 from vllm_guard.core.timefmt import human_duration
 
-from . import tiny_model
+from .child import tiny_model
 
 Handler = Callable[[argparse.Namespace, list[str]], int]
 
@@ -42,8 +42,14 @@ SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
     "state_dir": ("server", "state_dir", "ledger, logs, admin socket, hold file (default ./.state)"),
     "python": ("server", "python", "interpreter that runs vLLM (default: this one)"),
     "drain_timeout": ("server", "drain_timeout", "how long in-flight requests may finish before a stop (default 2m)"),
+    "standby": ("server", "standby", "auto: keep the next generation parked at its startup gate while RAM allows "
+                "(a crash restarts from the gate); off: none (default auto)"),
+    "unready_lead": ("server", "unready_lead", "readiness says 503 this long before a cold or gated recycle stops the "
+                     "only serving replica (default 10s; 0: none)"),
     "startup_timeout": ("server", "startup_timeout", "how long a generation may take to become ready (default 10m)"),
     "queue_max_wait": ("server", "queue_max_wait", "longest a request waits for a backend, then 503 (default 15m)"),
+    "migration_limit": ("server", "migration_limit",
+                        "times a request may move to another generation when its backend dies (default 3)"),
     "max_requests": ("recycle", "max_requests", "recycle after this many requests per generation (default 0: off)"),
     "max_requests_jitter": ("recycle", "max_requests_jitter", "add randint(0, N) to max_requests per generation"),
     "max_uptime": ("recycle", "max_uptime", "recycle a generation serving this long, e.g. 24h (default 0: off)"),
@@ -56,7 +62,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
     "probe_interval": ("probe", "interval", "time between 1-token probes of a serving engine (default 15s)"),
     "probe_timeout": ("probe", "timeout", "a probe slower than this failed (default 20s)"),
 }
-_INTS = {"port", "max_requests", "max_requests_jitter"}
+_INTS = {"port", "max_requests", "max_requests_jitter", "migration_limit"}
 _FLOATS = {"max_gpu_memory_growth_mb", "max_host_rss_growth_mb", "idle_fraction"}
 ADMIN_COMMANDS = {
     "status": "print the runtime's status",
@@ -83,7 +89,7 @@ def add_commands(sub: Any) -> dict[str, Handler]:
     for flag, (_, _, text) in SERVE_FLAGS.items():
         kind: Callable[[str], Any] = _num(int) if flag in _INTS else _num(float) if flag in _FLOATS else str
         metavar = "N" if flag in _INTS else "MB" if flag.endswith("_mb") else "F" if flag in _FLOATS else (
-            "DUR" if flag.endswith(("timeout", "wait", "uptime", "after", "interval")) else None)
+            "DUR" if flag.endswith(("timeout", "wait", "uptime", "after", "interval", "lead")) else None)
         s.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=text, metavar=metavar)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_strategy_flags(s)
@@ -101,6 +107,9 @@ def add_commands(sub: Any) -> dict[str, Handler]:
                                 "restart unplanned|scheduled|preventive (default unplanned)")
             c.add_argument("--replica", type=_num(int), default=None, metavar="N",
                            help="only this replica (default: all of them, one at a time)")
+        if name == "recycle":
+            c.add_argument("--strategy", default=None, choices=["overlap", "gated", "cold"],
+                           help="this recycle's strategy (default: [server] recycle_strategy, chosen from memory)")
 
     m = sub.add_parser("model", help="build the embedded tiny model (random weights: its text is noise)")
     m.add_argument("kind", choices=["tiny"])
@@ -191,12 +200,9 @@ def serve_config(args: argparse.Namespace, vllm_args: list[str]) -> GuardConfig:
 
 
 def _preflight_port(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise UsageError(f"[server] port has value {port}: cannot bind {host}:{port} ({e.strerror})") from e
+    why = ports.bind_error(host, port)
+    if why is not None:
+        raise UsageError(f"[server] port has value {port}: cannot bind {host}:{port} ({why})")
 
 
 def _preflight_model(model: str) -> None:
@@ -289,13 +295,32 @@ def cpu_kv_space_gib(available_bytes: int, env: dict[str, str] | os._Environ[str
     return max(1, int(available_bytes * KV_SPACE_SHARE) // 2**30)
 
 
+OMP_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_omp_bind(cfg: GuardConfig, env: dict[str, str] | os._Environ[str]) -> str | None:
+    """The OpenMP binding for vLLM's CPU build when two servers may run at once, else None.
+
+    vLLM-CPU binds each server's worker to the first cores of the box (`auto`), the same cores for
+    every server: a successor or a standby starting beside the serving generation (or a second
+    replica) then shares the one core the serving worker keeps busy, and crawls (a successor's
+    engine sat 5 minutes at its OpenMP setup on 2 cores). Unbound (`nobind`), the kernel gives it
+    the cores that are free. The operator's own setting wins."""
+    from .replica.strategy import two_at_once
+
+    s = cfg.server
+    if env.get(OMP_BIND_VAR):
+        return None
+    return "nobind" if two_at_once(s.recycle_strategy, s.standby, s.replicas) else None
+
+
 def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     import structlog
 
     from vllm_guard.core import logsetup
 
-    from . import admin
-    from .ledger import RuntimeLedger
+    from .records import admin
+    from .records.writer import RuntimeLedger
     from .supervisor import Supervisor
 
     cfg = serve_config(args, vllm_args)
@@ -319,6 +344,12 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
                 os.environ[KV_SPACE_VAR] = str(kv)
                 structlog.get_logger("vllm_guard.serve").info(
                     "cpu_kv_cache_space", gib=kv, why=f"{KV_SPACE_VAR} unset: {KV_SPACE_SHARE:.0%} of available memory")
+            bind = cpu_omp_bind(cfg, os.environ)
+            if bind is not None:
+                os.environ[OMP_BIND_VAR] = bind
+                structlog.get_logger("vllm_guard.serve").info(
+                    "cpu_omp_bind", value=bind, why="two vLLM servers may run at once (a successor, a standby, "
+                    "replicas): bound, each would take the same first cores")
         model = cfg.server.model
         if not model:
             try:
@@ -372,7 +403,7 @@ def _request(args: argparse.Namespace) -> Any:
     """The typed command for recycle/restart/hold/release; UsageError on a bad reason or class."""
     from vllm_guard.core.errors import ProtocolError
     from vllm_guard.core.ledger import EndClass
-    from vllm_guard.core.protocol import Command, CommandRequest
+    from vllm_guard.core.protocol import Command, CommandRequest, RecycleStrategy
     from vllm_guard.core.sanitize import check_reason
 
     reason = getattr(args, "reason", None) or "operator"
@@ -389,7 +420,9 @@ def _request(args: argparse.Namespace) -> Any:
     replica = getattr(args, "replica", None)
     if replica is not None and replica < 0:
         raise UsageError(f"{args.command}: --replica has value {replica}: must be >= 0")
-    req = CommandRequest(command=Command(args.command), reason=reason, cls=cls, replica=replica)
+    strategy = getattr(args, "strategy", None)
+    req = CommandRequest(command=Command(args.command), reason=reason, cls=cls, replica=replica,
+                         strategy=RecycleStrategy(strategy) if strategy else None)
     try:
         req.ledger_class()
     except ProtocolError as e:
@@ -402,7 +435,7 @@ def cmd_admin(args: argparse.Namespace, _: list[str]) -> int:
 
     from vllm_guard.core import admin as client
 
-    from .statusfmt import format_status
+    from .records.statusfmt import format_status
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `vllm-guard status | head` is not an error
     state_dir, where = resolve_state_dir(args.state_dir)

@@ -27,8 +27,8 @@ from vllm_guard.core.errors import GuardError
 from vllm_guard.core.protocol import Command, CommandRequest, RuntimeState, StatusSnapshot
 from vllm_guard.core.stream import stream_completion
 
-from .backend import free_port
-from .statusfmt import format_status
+from .child.backend import free_port
+from .records.statusfmt import format_status
 
 MAX_TOKENS = 16
 

@@ -1,59 +1,69 @@
 """The supervisor: one loop that keeps the service's vLLM replicas serving.
 
 Like gunicorn's Arbiter, signals and admin commands only enqueue; every decision happens in
-`run()`, which reads like a runbook: wait, handle commands, step each replica, tell systemd we
-are alive. Long actions (draining, a 60-140 s cold start, a successor starting beside the
-serving generation) are states with deadlines, never blocking calls, so the WATCHDOG=1 pings
-continue through a planned recycle. Each replica runs its own runbook (`replica`); what is
-shared lives here: the proxy and its router, the ledger, the failure window, the hold, the
-rolling rule (one replica recycles at a time, never while another is down). What it decides on
-comes from elsewhere: the recycle triggers (`triggers`) and the recycle strategy (`strategy`)
-are pure functions; hang, memory and process readings come from the monitors (`monitors`),
-off this loop. `run()` stops every vLLM process group on every way out, an exception included.
+`run()`, which reads like a runbook: wait, handle commands, let each replica look, tell systemd
+we are alive. Each replica is one state machine (`replica.machine`) whose transitions one pure
+function decides (`replica.decide`) and a thin driver carries out (`replica.driver`); long
+actions (draining, a 60-140 s cold start, a successor starting beside the serving generation)
+are states with deadlines, never blocking calls, so the WATCHDOG=1 pings continue through a
+planned recycle. What is shared lives here, behind small methods the drivers reach through
+`replica.ports.Hub`: the proxy, the books (ledger, failure window), the hold, the rolling rule
+(one replica recycles at a time, never while another is down), what the runtime learned (a vLLM
+that cannot park, how long starts take). `run()` stops every vLLM process group on every way
+out, an exception included.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable
 
 import structlog
 
 from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.errors import EXIT_FAILURE_LIMIT, EXIT_OK
-from vllm_guard.core.ledger import EndClass
+from vllm_guard.core.ledger import EndClass, FailureKind
 from vllm_guard.core.notify import Notifier
-from vllm_guard.core.protocol import ProbeSummary, StatusSnapshot
-from vllm_guard.core.timefmt import utcnow
+from vllm_guard.core.protocol import CommandReply, CommandRequest, ProbeSummary, RuntimeState, StatusSnapshot
 
-from . import lifecycle, procs, replicas
+from . import lifecycle
+from .child import procs
 from .commands import Commands
-from .generation import Generation
-from .holdfile import HoldFile
-from .ledger import RuntimeLedger
-from .machine import State
-from .proxy import Proxy, Target
-from .records import FailureRecord, Recent, RecycleRecord
-from .replica import FAULT_VAR, InjectedFault, Replica
-from .replicas import ReplicaPlan
-from .router import AVOID_AFTER_FAILURE_S
-from .status import snapshot, status_line
-
-if TYPE_CHECKING:
-    import aiohttp
-
-    from vllm_guard.core.nvml import NvmlSession
+from .loopwatch import LoopWatch
+from .frontdoor.proxy import Proxy
+from .frontdoor.target import Target
+from .records import metrics
+from .records.books import RuntimeBooks
+from .records.holdfile import HoldFile
+from .records.status import StatusInputs, snapshot, status_line, visible_gpu_name
+from .records.writer import RuntimeLedger
+from .replica import plan as replicas
+from .replica.driver import FAULT_VAR, InjectedFault, ReplicaDriver
+from .replica.generation import Generation
+from .replica.launch import Launcher
+from .replica.machine import aggregate, final, nothing_runs, rolling, serving_count
+from .replica.monitors import MonitorKit, guarded, status_loop
+from .replica.strategy import StartHistory
+from .replica.view import Facts, HoldCmd, ReleaseCmd, StopCmd
 
 log = structlog.get_logger("vllm_guard.supervisor")
 
 TICK_S = 0.25
 OVERRUN_GRACE_S = 60.0
-SLOW_TURN_S = 5.0  # a loop turn this long is logged (supervisor_turn_slow): WATCHDOG=1 waits for it
+EXTEND_S = 60.0
+SLOW_TURN_S = 5.0  # a loop turn this long is logged (supervisor_turn_slow)
+# A turn still not done after this long is wedged (every effect it awaits has a shorter bound of
+# its own): the pulse stops, and systemd's watchdog and the liveness probe see it.
+WEDGED_TURN_S = 30.0
+PULSE_S = 0.5
+
+AdminStart = Callable[[Path, Any, Callable[[], StatusSnapshot],
+                       Callable[[CommandRequest, float], Awaitable[CommandReply]]], Awaitable[Any]]
 
 __all__ = ["FAULT_VAR", "InjectedFault", "Supervisor", "TICK_S"]
 
@@ -66,98 +76,171 @@ class Supervisor:
         self.python = python
         self.state_dir = Path(cfg.server.state_dir)
         self.ledger = ledger if ledger is not None else RuntimeLedger(self.state_dir)
+        self.books = RuntimeBooks(self.ledger, cfg.server.failure_window)
         self.last_number = self.ledger.first_generation - 1  # numbers continue across runtimes
         self.proxy = Proxy(cfg.server, on_limit=self._on_limit, on_error=self._on_error)
         self.notifier = Notifier()
         self.holdfile = HoldFile(self.state_dir)
         self.hold: str | None = self.holdfile.read()
-        self.proxy.router.enforce_limit = self.hold is None
-        self.nvml: NvmlSession | None = None
+        self.proxy.enforce_limit = self.hold is None
         self.commands = Commands(self)
         self._wakeup = asyncio.Event()
-        self.failures: Recent[FailureRecord] = Recent()
-        self.recycles: Recent[RecycleRecord] = Recent()
-        self._failure_times: collections.deque[float] = collections.deque()
-        self._unrestored: list[FailureRecord] = []
         self.exit_code = EXIT_OK
         self.stopping = False  # a stop was asked for (signal, failure limit): nothing new starts
+        self._stop_pending: bool | None = None  # a shutdown the loop still has to tell the replicas (second?)
         self.vllm_version = ""
         self.gpu_name = ""
         self.gate_unavailable: str | None = None  # learned from a gated start: this vLLM cannot park
+        self.starts: dict[int, StartHistory] = {}
+        self.standby_failures: dict[int, int] = {}  # per replica: standbys lost in a row
         self.last_probe: ProbeSummary | None = None
         self.reaper = procs.Reaper()
-        self.http: aiohttp.ClientSession | None = None
+        self.loopwatch = LoopWatch()
+        self.http: Any = None  # aiohttp.ClientSession, opened in `_open`
+        self.nvml: Any = None  # core.nvml.NvmlSession, opened off the loop in `_open`
         self.admin: Any = None  # the admin socket's runner
-        self.tasks: list[asyncio.Task[Any]] = []  # the runtime's own (the status monitor)
-        # one replica until open_runtime has NVML and plans the GPUs (`plan_replicas`)
-        self.replicas: list[Replica] = [Replica(self, ReplicaPlan(0))]
-        self._agg: tuple[State, float] = (State.STARTING, time.monotonic())
+        self.tasks: list[asyncio.Task[Any]] = []  # the runtime's own (the status monitor, metrics)
+        self.drivers: list[ReplicaDriver] = []
+        self._agg: tuple[RuntimeState, float] = (RuntimeState.STARTING, time.monotonic())
         self._status_sent = 0.0
+        self._turn_began: float | None = None  # the turn in progress began (monotonic); None: asleep
+        self._overrun = False
+        self._extend_sent = 0.0
 
     # -- what status and the commands see ----------------------------------------------------
     @property
-    def gen(self) -> Generation | None:
-        """The first replica's current generation (the only one with one replica)."""
-        return self.replicas[0].gen
-
-    @property
-    def state(self) -> State:
-        return replicas.aggregate([r.state for r in self.replicas])
-
-    @property
-    def state_for_s(self) -> float:
-        return max(0.0, time.monotonic() - self._agg[1])
+    def state(self) -> RuntimeState:
+        return aggregate(d.state for d in self.drivers) if self.drivers else RuntimeState.STARTING
 
     @property
     def generation(self) -> int:
         """The newest generation that serves or is starting as a replica's own (not a successor)."""
-        return max((r.gen.number for r in self.replicas if r.gen is not None), default=self.last_number)
-
-    @property
-    def recycle_in_progress(self) -> RecycleRecord | None:
-        return next((r.recycle for r in self.replicas if r.recycle is not None), None)
+        return max((d.current.number for d in self.drivers if d.current is not None), default=self.last_number)
 
     def status(self) -> StatusSnapshot:
-        return snapshot(self)
+        return snapshot(StatusInputs(
+            cfg=self.cfg, model=self.model, state=self.state, state_for_s=max(0.0, time.monotonic() - self._agg[1]),
+            generation=self.generation, vllm_version=self.vllm_version, gpu_name=self.gpu_name, hold=self.hold,
+            drivers=self.drivers, books=self.books, proxy=self.proxy, last_probe=self.last_probe,
+            ledger=self.ledger.health()))
 
     def next_number(self) -> int:
         self.last_number += 1
         return self.last_number
 
     def live_generations(self) -> list[Generation]:
-        return [g for r in self.replicas for g in r.generations()]
+        return [g for d in self.drivers for g in d.generations()]
 
-    def replica_gpus(self, rep: Replica) -> list[str]:
+    def replica_gpus(self, index: int) -> list[str]:
         static = self.nvml.static if self.nvml is not None and self.nvml.available else []
-        return replicas.replica_uuids(static, rep.plan, {**os.environ, **rep.plan.env()})
+        p = self.drivers[index].plan
+        return replicas.replica_uuids(static, p, {**os.environ, **p.env()})
+
+    def facts(self, d: ReplicaDriver) -> Facts:
+        states = [x.state for x in self.drivers]
+        busy = [x.machine.recycle is not None for x in self.drivers]
+        return Facts(
+            cfg=self.cfg, index=d.index, replicas=len(self.drivers), stopping=self.stopping, hold=self.hold,
+            others_why=rolling(d.index, states, busy), others_serving=serving_count(states, skip=d.index),
+            failures_in_window=self.books.in_window(), gate_unavailable=self.gate_unavailable,
+            starts=self.starts.get(d.index, StartHistory()), gpu_room=d.gpu_room,
+            standby_failures=self.standby_failures.get(d.index, 0),
+            nvml=self.nvml is not None and self.nvml.available, ready_sent=self.notifier.ready_sent,
+            extend_sent_at=self._extend_sent)
 
     # -- the runbook ---------------------------------------------------------------------------
-    async def run(self, admin_start: Callable[[Supervisor], Awaitable[Any]] | None = None) -> int:
+    async def run(self, admin_start: AdminStart | None = None) -> int:
         try:
-            await lifecycle.open_runtime(self, admin_start)
+            await self._open(admin_start)
             while not self._done():
                 t0 = time.monotonic()
+                self._turn_began = None
                 await self._sleep()
-                t1 = time.monotonic()
+                t1 = self._turn_began = time.monotonic()
                 await self.commands.handle()
+                await self._tell_stop()
                 t2 = time.monotonic()
-                for rep in self.replicas:
-                    await rep.step()
+                for d in self.drivers:
+                    await d.tick(lambda d=d: self.facts(d))  # type: ignore[misc]
+                await self._tell_stop()
                 t3 = time.monotonic()
                 await self._heartbeat()
                 self._note_slow_turn(t0, t1, t2, t3, time.monotonic())
         finally:
-            await lifecycle.close_runtime(self)
+            await self._close()
         log.info("runtime_exited", exit_code=self.exit_code)
         return self.exit_code
+
+    async def _open(self, admin_start: AdminStart | None) -> None:
+        """Up: become the subreaper of our grandchildren, route signals into the command queue,
+        open NVML off the loop, plan the replicas (their GPUs), kill the vLLM trees a killed
+        predecessor left and record them as failures, then the proxy, the admin socket, the
+        metrics and the status monitor. The replicas start on their first look."""
+        import aiohttp
+
+        from vllm_guard.core.nvml import NvmlSession
+
+        self.loopwatch.start()
+        procs.become_subreaper()
+        lifecycle.install_signals(self.commands.put)
+        self.http = aiohttp.ClientSession()
+        self.nvml = await asyncio.to_thread(NvmlSession)
+        self.gpu_name = visible_gpu_name(self.nvml, os.environ)
+        static = self.nvml.static if self.nvml.available else []
+        plans = replicas.plan(self.cfg, static, os.environ)
+        kit = MonitorKit(self.cfg, self.http, self.nvml, self.ledger, self.state_dir, self.replica_gpus,
+                         self._on_probe, self._on_version, self.wake)
+        launcher = Launcher(self.cfg, self.model, self.python, self.state_dir, self.ledger, plans, self.next_number)
+        self.drivers = [ReplicaDriver(p, launcher, self.proxy, self.books, kit, self,
+                                      request_timeout=self.cfg.server.request_timeout) for p in plans]
+        for d in self.drivers:
+            name = visible_gpu_name(self.nvml, {**os.environ, **d.plan.env()})
+            d.gpu_name = name
+            self.books.set_gpu_name(d.index, name)
+        orphans = await lifecycle.kill_orphans(self.ledger)
+        for lost in self.ledger.close_open_generations(FailureKind.RUNTIME_LOST.value):
+            self.books.lost(lost.generation, lost.replica, lost.failure_id, lost.at)
+        self.ledger.attach(self.proxy.listeners, self.cfg)  # every request and memory reading to the ledger
+        await self.proxy.start()
+        if admin_start is not None:  # keep a reference: a dropped runner closes
+            self.admin = await admin_start(self.state_dir, self.cfg.server, self.status, self.commands.submit)
+        task = metrics.start(self.cfg.server, self.state_dir, self.status, self.proxy)
+        if task is not None:
+            self.tasks.append(task)
+        self.tasks.append(asyncio.create_task(self._pulse()))
+        self.tasks.append(asyncio.create_task(guarded("status", 0, lambda: status_loop(
+            self.live_generations, self.state_dir, self.wake))))
+        log.info("runtime_started", port=self.cfg.server.port, state_dir=str(self.state_dir), model=self.model,
+                 gpu=self.gpu_name or None, hold=self.hold, next_generation=self.last_number + 1,
+                 orphans_killed=orphans, replicas=len(self.drivers), recycle_strategy=self.cfg.server.recycle_strategy)
+        await self._held_changed()
+
+    async def _close(self) -> None:
+        """Every way out: no vLLM process of ours survives, then the rest is closed."""
+        for task in self.tasks:
+            task.cancel()
+        self.loopwatch.stop()
+        for d in self.drivers:
+            await d.kill_for_good(self._ended_by_error)
+        await self.proxy.stop()
+        if self.admin is not None:
+            await self.admin.cleanup()
+        if self.http is not None:
+            await self.http.close()
+        if self.nvml is not None:
+            self.nvml.close()
+        await asyncio.to_thread(self.ledger.close)
+
+    def _ended_by_error(self, gen: Generation) -> None:
+        self.ledger.generation_ended(gen.row, "runtime_error", EndClass.UNPLANNED.value, gen.target.completed)
 
     def _note_slow_turn(self, *marks: float) -> None:
         parts = slow_turn(*marks)
         if parts is not None:
-            log.warning("supervisor_turn_slow", **parts, states=[r.state.value for r in self.replicas])
+            log.warning("supervisor_turn_slow", **parts, states=[d.state.value for d in self.drivers])
 
     def _done(self) -> bool:
-        return all(r.state is State.EXITING and not r.retiring for r in self.replicas)
+        return bool(self.drivers) and all(final(d.state) and not d.retiring for d in self.drivers)
 
     async def _sleep(self) -> None:
         try:
@@ -169,19 +252,48 @@ class Supervisor:
     def wake(self) -> None:
         self._wakeup.set()
 
+    # -- the Hub: what the replicas ask of the runtime ---------------------------------------------
     def state_changed(self) -> None:
         st = self.state
         if st is not self._agg[0]:
             self._agg = (st, time.monotonic())
         self.send_status()
 
-    async def start_all(self) -> None:
-        for rep in self.replicas:
-            if self.hold:
-                rep.enter(State.HELD)
-            else:
-                await rep.start()
-        await self.held_changed()
+    def ready(self) -> None:
+        if not self.notifier.ready_sent:
+            self.notifier.ready(status_line(self.status()))
+
+    def extend(self) -> None:
+        self._extend_sent = time.monotonic()
+        self.notifier.extend_timeout(EXTEND_S)
+
+    def give_up(self) -> None:
+        """Too many failures in the window: stop every replica and exit 3 (systemd's StartLimit
+        takes over)."""
+        if self.exit_code != EXIT_FAILURE_LIMIT:
+            log.error("failure_limit", failures=self.books.in_window() + 1, window_s=self.cfg.server.failure_window)
+        self.exit_code = EXIT_FAILURE_LIMIT
+        self._begin_stop(second=False)
+
+    def exit_all(self, code: int) -> None:
+        """The backend cannot even be launched: exit at once."""
+        self.exit_code = code
+        self._begin_stop(second=True)
+
+    def reap_later(self, pids: list[int]) -> None:
+        """A grandchild can die after its parent and reach us (the subreaper) only later: keep
+        reaping a stopped generation's pids for a while so no zombie outlives it."""
+        self.reaper.add(pids, time.monotonic())
+
+    def learn_gate(self, reason: str) -> None:
+        self.gate_unavailable = reason
+
+    def learn_standby(self, replica: int, failed: bool) -> None:
+        self.standby_failures[replica] = self.standby_failures.get(replica, 0) + 1 if failed else 0
+
+    def learn_start(self, replica: int, beside: bool, seconds: float) -> None:
+        h = self.starts.get(replica, StartHistory())
+        self.starts[replica] = replace(h, beside_s=seconds) if beside else replace(h, alone_s=seconds)
 
     # -- callbacks from the proxy and the monitors ---------------------------------------------
     def _on_limit(self, target: Target) -> None:
@@ -191,89 +303,69 @@ class Supervisor:
         self.proxy.router.failed(target)  # the retry goes to another replica for a moment
         self.wake()
 
-    def on_probe(self, summary: ProbeSummary) -> None:
+    def _on_probe(self, summary: ProbeSummary) -> None:
         self.last_probe = summary
 
-    def on_version(self, version: str) -> None:
+    def _on_version(self, version: str) -> None:
         self.vllm_version = version
+        self.books.set_version(version)
 
-    def ready(self) -> None:
-        if not self.notifier.ready_sent:
-            self.notifier.ready(status_line(self))
+    # -- stop, hold --------------------------------------------------------------------------
+    def begin_stop(self, second: bool) -> None:
+        """SIGTERM/SIGINT (a second one shortens the ladder): the loop tells every replica."""
+        if not self.stopping:
+            self.notifier.stopping()
+        self._begin_stop(second)
 
-    def prune_logs(self) -> None:
-        lifecycle.prune_logs(self.state_dir / "logs")
-
-    async def gpu_memory_of(self, pids: Iterable[int]) -> dict[int, float]:
-        """GPU memory (MiB) NVML still shows for these pids; {} without NVML."""
-        nv = self.nvml
-        if nv is None or not nv.available:
-            return {}
-        wanted = set(pids)
-        used = await asyncio.to_thread(nv.process_memory_mb)
-        return {pid: mb for pid, mb in used.items() if pid in wanted}
-
-    # -- the rolling rule ----------------------------------------------------------------------
-    def why_wait(self, rep: Replica) -> str | None:
-        """None when `rep` may begin a planned recycle now (`replicas.may_recycle`)."""
-        if self.stopping:
-            return "the runtime is shutting down"
-        return replicas.may_recycle(rep.index, [r.state for r in self.replicas],
-                                    [r.busy_recycling for r in self.replicas])
-
-    # -- failures ------------------------------------------------------------------------------
-    def record_failure(self, gen: Generation, kind: str, exit_code: int | None, detail: str,
-                       cls: EndClass = EndClass.UNPLANNED) -> FailureRecord:
-        rec = FailureRecord(kind=kind, at=utcnow(), exit_code=exit_code, detail=detail, generation=gen.number,
-                            cls=cls)
-        rec.ledger_id = self.ledger.failure(gen.number, kind, exit_code, detail, cls.value)
-        self.failures.add(rec)
-        self._unrestored.append(rec)
-        log.error("generation_failed", generation=gen.number, replica=gen.replica, kind=kind, exit_code=exit_code,
-                  detail=detail, cls=cls.value)
-        if cls is EndClass.UNPLANNED:
-            self._failure_times.append(time.monotonic())
-        return rec
-
-    def failure_restored(self) -> None:
-        """A generation became ready: every failure so far is restored."""
-        for f in self._unrestored:
-            f.restored_at = utcnow()
-            self.ledger.failure_restored(f.ledger_id)
-        self._unrestored.clear()
-
-    def failure_limit_reached(self) -> bool:
-        now = time.monotonic()
-        while self._failure_times and now - self._failure_times[0] > self.cfg.server.failure_window:
-            self._failure_times.popleft()
-        return len(self._failure_times) >= self.cfg.server.max_failures
-
-    async def give_up(self, failing: Replica | None) -> None:
-        """Too many failures in the window: stop every replica and exit 3 (systemd's StartLimit
-        takes over)."""
-        if self.exit_code != EXIT_FAILURE_LIMIT:
-            log.error("failure_limit", failures=len(self._failure_times), window_s=self.cfg.server.failure_window)
-        self.exit_code = EXIT_FAILURE_LIMIT
-        await self.shutdown(skip=failing)
-
-    async def shutdown(self, skip: Replica | None = None, second: bool = False) -> None:
-        """Drain and stop every replica (a second time: shorten the ladder), then exit."""
+    def _begin_stop(self, second: bool) -> None:
         self.stopping = True
+        self._stop_pending = bool(self._stop_pending) or second
+        self.wake()
+
+    async def _tell_stop(self) -> None:
+        if self._stop_pending is None:
+            return
+        second, self._stop_pending = self._stop_pending, None
         await self.proxy.set_reject("vllm-guard is shutting down")
-        for rep in self.replicas:
-            if rep is not skip:
-                await rep.stop(second)
+        for d in self.drivers:
+            await d.handle(StopCmd(second), lambda d=d: self.facts(d))  # type: ignore[misc]
 
-    def exit_all(self) -> None:
-        """The backend cannot even be launched: exit at once (nothing runs)."""
-        self.stopping = True
-        for rep in self.replicas:
-            if rep.state is not State.EXITING and rep.machine.can(State.EXITING):
-                rep.enter(State.EXITING)
+    async def set_hold(self, reason: str) -> str:
+        """Hold: nothing (re)starts until release; returns what the operator is told."""
+        self.hold = reason
+        self.proxy.enforce_limit = False  # no recycle can follow: never stop dispatching at the limit
+        detail = "held: no generation will be started until release"
+        try:
+            await asyncio.to_thread(self.holdfile.write, reason)
+        except OSError as e:
+            log.error("hold_not_persisted", error=str(e), path=str(self.holdfile.path))
+            detail += f" (not persisted, a restarted runtime will not hold: {e.strerror or e})"
+        for d in self.drivers:
+            await d.handle(HoldCmd(reason), lambda d=d: self.facts(d))  # type: ignore[misc]
+        await self._held_changed()
+        return detail
 
-    async def held_changed(self) -> None:
+    async def release(self) -> str | None:
+        """Release a hold; None when there was none. Returns what the operator is told."""
+        if self.hold is None:
+            return None
+        self.hold = None
+        self.proxy.enforce_limit = True
+        try:
+            await asyncio.to_thread(self.holdfile.clear)
+        except OSError as e:
+            log.error("hold_file_not_removed", error=str(e), path=str(self.holdfile.path))
+        if self.stopping:
+            return "released"
+        before = self.last_number
+        await self.proxy.set_reject(None)
+        for d in self.drivers:
+            await d.handle(ReleaseCmd(), lambda d=d: self.facts(d))  # type: ignore[misc]
+        return f"released: starting generation {self.last_number}" if self.last_number > before else "released"
+
+    async def _held_changed(self) -> None:
         """Held with no replica left serving: requests fail fast instead of queueing."""
-        if self.hold and all(r.state in (State.HELD, State.EXITING) for r in self.replicas):
+        if self.hold and self.drivers and nothing_runs(d.state for d in self.drivers):
             await self.proxy.set_reject(f"held: {self.hold}")
 
     # -- systemd -------------------------------------------------------------------------------
@@ -282,21 +374,46 @@ class Supervisor:
         if self.reaper.later:
             await asyncio.to_thread(self.reaper.poll, now)
         overrun = False
-        for rep in self.replicas:
-            late = rep.machine.overdue(now, OVERRUN_GRACE_S)
-            if late and not rep.overrun_logged:
-                log.error("state_overrun", replica=rep.index, state=rep.state.value,
-                          over_s=round(now - (rep.machine.deadline or now), 1))
-                rep.overrun_logged = True
+        for d in self.drivers:
+            late = d.overdue(now, OVERRUN_GRACE_S)
+            if late and not d.overrun_logged:
+                log.error("state_overrun", replica=d.index, state=d.state.value,
+                          over_s=round(now - (d.machine.deadline or now), 1))
+                d.note_overrun()
             overrun = overrun or late
-        if not overrun and self.notifier.watchdog_due(now):
-            self.notifier.watchdog(now)
+        if self.hold:
+            await self._held_changed()
+        self._overrun = overrun
+        self._beat(now)
         if now - self._status_sent >= 2.0:
             self.send_status()
 
+    def _beat(self, now: float) -> None:
+        """WATCHDOG=1 and the liveness beat, unless a state overran its deadline or the loop's
+        turn is wedged: that stops both, systemd's watchdog and the kubelet's."""
+        if not may_beat(self._overrun, self._turn_began, now):
+            return
+        self.proxy.beat()
+        if self.notifier.watchdog_due(now):
+            self.notifier.watchdog(now)
+
+    async def _pulse(self) -> None:
+        """Beat on its own clock too, so a turn that awaits a slow effect (a launch on a starved
+        box, a generation's last reap) does not hold WATCHDOG=1 back; a blocked event loop
+        does, since this runs on it."""
+        while True:
+            await asyncio.sleep(PULSE_S)
+            self._beat(time.monotonic())
+
     def send_status(self) -> None:
         self._status_sent = time.monotonic()
-        self.notifier.status(status_line(self))
+        self.notifier.status(status_line(self.status()))
+
+
+def may_beat(overrun: bool, turn_began: float | None, now: float) -> bool:
+    """Whether the runtime counts as alive for systemd and the kubelet: no state overran its
+    deadline, and the loop's turn in progress (None: asleep between turns) is not wedged."""
+    return not overrun and (turn_began is None or now - turn_began < WEDGED_TURN_S)
 
 
 def slow_turn(t0: float, t1: float, t2: float, t3: float, t4: float) -> dict[str, float] | None:
@@ -307,7 +424,3 @@ def slow_turn(t0: float, t1: float, t2: float, t3: float, t4: float) -> dict[str
         return None
     return {"seconds": round(t4 - t0, 2), "sleep_s": round(t1 - t0, 2), "commands_s": round(t2 - t1, 2),
             "replicas_s": round(t3 - t2, 2), "heartbeat_s": round(t4 - t3, 2)}
-
-
-# the router's grace after a failed request, re-exported for the docs and tests
-FAILED_TARGET_AVOIDED_S = AVOID_AFTER_FAILURE_S

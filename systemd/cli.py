@@ -34,8 +34,9 @@ def add_commands(sub: Any) -> dict[str, Handler]:
                    help="write into this prefix (packaging, tests); runs no service")
     i.add_argument("--model", default=None, metavar="DIR",
                    help="absolute path of a local model directory (pinned; the unit runs offline)")
-    i.add_argument("--gpus", default=None, metavar="UUIDS",
-                   help="comma-separated GPU UUIDs, exported as CUDA_VISIBLE_DEVICES (see `nvidia-smi -L`)")
+    i.add_argument("--gpus", default=None, metavar="LIST",
+                   help="comma-separated GPU indexes or UUIDs (`nvidia-smi -L`), [server] gpus: one replica per "
+                        "GPU or --tensor-parallel-size group (default: one replica, every GPU)")
     i.add_argument("--port", type=int, default=None, help="public port of the guard (default 8000)")
     i.add_argument("--host", default=None, help="address the guard listens on (default 127.0.0.1)")
     i.add_argument("--user", default=None, help="the runtime's system user; its group owns the admin socket "
@@ -136,6 +137,9 @@ def cmd_install(args: argparse.Namespace, _: list[str]) -> int:
     # from the existing file plus the flags (other keys survive, comments do not).
     changes = (args.model, args.port, args.host, args.config, args.user, args.watchdog_user, args.gpus)
     rewrite = args.force_config or bool(args.env) or bool(recycle) or any(v is not None for v in changes)
+    if not rewrite and cfg.deprecations:
+        print(f"note: {layout.config} uses keys that were replaced ({'; '.join(cfg.deprecations)}); re-run "
+              "install with --force-config to rewrite it", file=sys.stderr)
     if not rewrite and F.recycle_off(cfg):
         print(f"note: {layout.config} turns every recycle trigger off; re-run install with "
               "--max-host-rss-growth-mb/--max-gpu-memory-growth-mb (or edit [recycle]) to recycle before a leak",
@@ -173,7 +177,7 @@ def _preflight(args: argparse.Namespace, live: bool, cfg: GuardConfig, layout: L
     if args.root is None and not _unit_active(layout.unit):
         P.require_free_port(cfg.server.host, cfg.server.port)
     if args.root is None:
-        P.check_nvidia(cfg.server.python or sys.executable, cfg.install.gpus, report)
+        P.check_nvidia(cfg.server.python or sys.executable, cfg.server.gpus, cfg.install.environment(), report)
     return report
 
 

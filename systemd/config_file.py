@@ -105,7 +105,7 @@ def apply_flags(cfg: GuardConfig, *, model: str | None, host: str | None, port: 
     if watchdog_user is not None:
         set_flag(cfg, "install", "watchdog_user", watchdog_user, "--watchdog-user")
     if gpus is not None:
-        set_flag(cfg, "install", "gpus", [g.strip() for g in gpus.split(",") if g.strip()], "--gpus")
+        set_flag(cfg, "server", "gpus", [g.strip() for g in gpus.split(",") if g.strip()], "--gpus")
     if env:
         set_flag(cfg, "install", "env", {**cfg.install.env, **dict(parse_env_flag(e) for e in env)}, "--env")
     C.set_value(cfg, "server", "state_dir", layout.state_dir)

@@ -33,6 +33,8 @@ SECTION_HELP: dict[str, str] = {
               "production.",
     "patches": "The vLLM plugin's fixes, applied in every vLLM process (`vllm-guard patches list` shows "
                "what applies to the installed vLLM).",
+    "ledger": "What the runtime keeps in its ledger of the traffic it served: per-minute latency "
+              "histograms and token counts for the ledger's life, per-request rows for a while.",
     "install": "How `vllm-guard install` renders the systemd units. Re-run `vllm-guard install` after "
                "changing these.",
 }
@@ -46,6 +48,7 @@ HELP: dict[str, dict[str, str]] = {
         "state_dir": "ledger, logs, admin socket and hold file (the unit's StateDirectory)",
         "backend_host": "address each vLLM generation listens on, behind the proxy",
         "python": "interpreter that runs vLLM; empty: the runtime's own",
+        "backend_nice": "vLLM's processes this many nice levels below the runtime, which keeps its CPU on a saturated box; 0: the same",
         "vllm_args": "arguments passed to vLLM, e.g. [\"--max-model-len\", \"8192\", "
                      "\"--gpu-memory-utilization\", \"0.9\"] (--host, --port and --model are the runtime's)",
         "startup_timeout": "longest a generation may take from launch to ready (/health and a real completion)",
@@ -54,7 +57,10 @@ HELP: dict[str, dict[str, str]] = {
         "memory_release_timeout": "how long to wait for a stopped generation's GPU memory to be freed",
         "queue_size": "requests the proxy holds while no generation serves; more get 503",
         "queue_max_wait": "longest a held request waits for a generation, then 503 (longer than a cold start)",
+        "migration_limit": "times a request may move to another generation when its backend dies (sent again, or its stream continued)",
         "retry_after": "seconds sent in Retry-After with a 503",
+        "unready_lead": "readiness (/vllm-guard/ready) turns 503 this long before a cold or gated recycle stops "
+                        "the serving generation, so a load balancer moves traffic first; 0: at the gap",
         "admin_group": "group of the admin socket (the watchdog and operators in it may send commands)",
         "admin_mode": "mode of the admin socket (octal; owner rw, nothing for others)",
         "max_failures": "unplanned failures within failure_window after which the runtime exits 3 "
@@ -71,11 +77,23 @@ HELP: dict[str, dict[str, str]] = {
         "header_timeout": "a new connection must send its request headers within this time",
         "idle_timeout": "a kept-alive connection idle (or a body that stalls) this long is closed",
         "max_connections": "client connections at once; 0: derived from the open-file limit",
+        "max_n": "n (and best_of) of one request at most this (400 beyond); also vLLM's own cap "
+                 "(VLLM_MAX_N_SEQUENCES in every generation)",
+        "max_tokens": "tokens one sequence may generate, given as max_tokens or by vLLM's default (the rest "
+                      "of the context), at most this (400 beyond); 0: off (vLLM refuses more than the context)",
+        "max_request_tokens": "sequences x max_tokens of one request (the context when max_tokens is not "
+                              "set) at most this (400 beyond); at least the context (--max-model-len); 0: off",
+        "max_client_requests": "requests one client (one of vLLM's API keys, else its address) may have in progress, "
+                               "queued included (429 with Retry-After beyond); 0: off",
+        "max_client_tokens": "tokens one client's requests in progress may ask for together (429 with "
+                             "Retry-After beyond); at least max_request_tokens; 0: off",
         "recycle_strategy": "how a generation is replaced: \"auto\" (overlap when two fit, else gated, "
                             "else cold), \"overlap\", \"gated\" or \"cold\" (docs/RUNTIME.md)",
         "overlap_margin_mb": "headroom (GPU and host RAM) kept beyond a second generation's footprint "
                              "before overlap is chosen",
         "gate_timeout": "a gated next generation must reach its gate (before CUDA) within this time",
+        "standby": "auto: keep the next generation parked at its startup gate while RAM allows (a crash restarts "
+                   "from the gate, a recycle uses it); off: none",
         "replicas": "vLLM servers behind the one proxy (one per GPU or tensor-parallel group); they recycle "
                     "one at a time",
         "gpus": "GPU indexes or UUIDs, one replica per GPU (or per --tensor-parallel-size GPUs); "
@@ -91,10 +109,12 @@ HELP: dict[str, dict[str, str]] = {
         "max_host_rss_growth_mb": "recycle when the host RSS of vLLM's processes grew this many MB since "
                                   "warm-up; 0: off",
         "memory_warmup_requests": "requests served before the memory baseline is taken (allocator pools "
-                                  "and caches settle first)",
+                                  "and caches settle first); the report leaves out the same points",
         "memory_interval": "how often vLLM's memory is read",
         "idle_after": "no request for this long counts as idle (for idle_fraction)",
         "idle_fraction": "recycle early while idle once any limit is this far reached (0.8 = 80 %); 0: off",
+        "max_requests_overrun": "while its successor starts, a generation past max_requests may take this share "
+                                "of its limit more; then it drains anyway and the successor takes over when ready",
     },
     "probe": {
         "interval": "time between probes of a serving generation",
@@ -121,7 +141,9 @@ HELP: dict[str, dict[str, str]] = {
         "clock_drop_pct": "SM clock this far below its maximum while busy is a sign of throttling",
         "probe_interval": "time between the watchdog's own probes",
         "probe_timeout": "a watchdog probe slower than this failed",
-        "hang_failures": "timed-out probes with no engine progress in between that make a hang (restart)",
+        "hang_failures": "timed-out probes in a row, each with no engine progress over the window, that make "
+                         "a replica hung (restart)",
+        "progress_window": "a timed-out watchdog probe counts only if vLLM's token counters did not move this long",
         "cooldown": "least time between two actions of the same kind for the same cause",
         "max_actions": "actions within action_window after which the watchdog stops acting and alerts",
         "action_window": "window for max_actions",
@@ -174,6 +196,10 @@ HELP: dict[str, dict[str, str]] = {
         "malloc_arena_max": "MALLOC_ARENA_MAX for vLLM's processes; 0: glibc's default",
         "audit_reclaim": "free KV blocks held by no live request (false: only count them)",
     },
+    "ledger": {
+        "request_retention": "how long the runtime keeps one row per request (timings, outcome, tokens); "
+                             "0: none (the per-minute histograms stay)",
+    },
     "install": {
         "user": "system user of the runtime; its group owns the admin socket and the ledger",
         "watchdog_user": "system user of the watchdog (a member of the runtime's group)",
@@ -186,7 +212,6 @@ HELP: dict[str, dict[str, str]] = {
         "timeout_start": "longest before the runtime's first word to systemd (it extends this while loading)",
         "revive_every": "how often vllm-guard-revive.timer retries a unit that hit its start limit",
         "env": "extra environment for the runtime, e.g. { VLLM_API_KEY = \"...\" }",
-        "gpus": "GPU UUIDs this service uses (CUDA_VISIBLE_DEVICES; see `nvidia-smi -L`)",
     },
 }
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_guard.core import gpu, ports
 from vllm_guard.core.errors import EXIT_USAGE, GuardError
 
 try:
@@ -47,12 +47,9 @@ def require_systemd(run_dir: Path = Path("/run/systemd/system")) -> None:
 
 
 def require_free_port(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise PreflightError(f"port {port} on {host} is taken ({e.strerror}): choose another with --port") from e
+    why = ports.bind_error(host, port)
+    if why is not None:
+        raise PreflightError(f"port {port} on {host} is taken ({why}): choose another with --port")
 
 
 def require_model_dir(model: str) -> None:
@@ -137,9 +134,9 @@ def torch_build(python: str) -> tuple[str, tuple[int, int] | None, bool]:
     return str(version), cuda_version(cuda), True
 
 
-def check_nvidia(python: str, gpus: list[str], report: Report) -> None:
-    """Driver new enough for the CUDA of the installed torch; the named GPUs exist; persistence
-    mode (a warning)."""
+def check_nvidia(python: str, gpus: list[str], env: dict[str, str], report: Report) -> None:
+    """Driver new enough for the CUDA of the installed torch; `[server] gpus` name GPUs of this box
+    as the service (environment `env`) will see them; persistence mode (a warning)."""
     version, needed, known = torch_build(python)
     driver: int | None = None
     nvml_ok = False
@@ -166,28 +163,32 @@ def check_nvidia(python: str, gpus: list[str], report: Report) -> None:
         if gpus and not nvml_ok:
             raise PreflightError(f"--gpus has value {','.join(gpus)!r}: no NVIDIA driver answers (NVML not found)")
         if nvml_ok:
-            _check_gpus(gpus, report)
+            _check_gpus(gpus, env, report)
     finally:
         if nvml_ok:
             pynvml.nvmlShutdown()
 
 
-def _check_gpus(gpus: list[str], report: Report) -> None:
-    handles = []
-    if gpus:
-        for uuid in gpus:
-            try:
-                handles.append(pynvml.nvmlDeviceGetHandleByUUID(uuid))
-            except pynvml.NVMLError as e:
-                raise PreflightError(f"--gpus has value {uuid!r}: no such GPU ({e}); see `nvidia-smi -L`") from e
-    else:
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-    for h in handles:
+def _text(v: str | bytes) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _check_gpus(gpus: list[str], env: dict[str, str], report: Report) -> None:
+    """The one selection rule (`core.gpu.service_gpus`), as the runtime will apply it."""
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    static = [{"index": i, "uuid": _text(pynvml.nvmlDeviceGetUUID(h)),
+               "pci_bus_id": _text(pynvml.nvmlDeviceGetPciInfo(h).busId)} for i, h in enumerate(handles)]
+    try:
+        used = set(gpu.service_gpus(static, gpus, env))
+    except ValueError as e:
+        raise PreflightError(f"--gpus has value {','.join(gpus)!r}: {e}; see `nvidia-smi -L`") from e
+    for h, s in zip(handles, static):
+        if s["uuid"] not in used:
+            continue
         try:
             if pynvml.nvmlDeviceGetPersistenceMode(h) == 0:
-                uuid = pynvml.nvmlDeviceGetUUID(h)
                 report.warnings.append(
-                    f"persistence mode is off on {uuid}: enable nvidia-persistenced (or `nvidia-smi -pm 1`) "
+                    f"persistence mode is off on {s['uuid']}: enable nvidia-persistenced (or `nvidia-smi -pm 1`) "
                     "so a recycle does not pay driver re-initialisation")
         except pynvml.NVMLError:
             pass  # not supported (e.g. some GeForce/WSL): nothing to say

@@ -232,8 +232,8 @@ def sysusers(settings: InstallConfig) -> str:
 
 
 def env_text(env: dict[str, str]) -> str:
-    lines = ["# Environment for the runtime (written by `vllm-guard install`; CUDA_VISIBLE_DEVICES",
-             "# selects the GPU set by UUID)."]
+    lines = ["# Environment for the runtime (written by `vllm-guard install` from [install] env; the GPUs",
+             "# are [server] gpus in guard.toml: the runtime sets each replica's CUDA_VISIBLE_DEVICES)."]
     lines += [f"{k}={json.dumps(v)}" for k, v in env.items()]
     return "\n".join(lines) + "\n"
 

@@ -31,7 +31,8 @@ CHILD_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_P
 
 # `make test` runs two xdist workers that take whole files in collection order (`--dist loadfile
 # --no-loadscope-reorder`): the longest files go first so both workers finish near together.
-LONGEST_FIRST = ["test_failures.py", "test_recycle.py", "test_patches_server.py", "test_soak_real.py",
+LONGEST_FIRST = ["test_strategies_real.py", "test_failures.py", "test_recycle.py", "test_resume_real.py",
+                 "test_patches_server.py", "test_soak_real.py", "test_watchdog_replicas.py",
                  "test_cancel_leak.py", "test_typecheck.py", "test_patches_unit.py", "test_gate_unit.py",
                  "test_patches_plain.py"]
 
@@ -70,6 +71,31 @@ class FreezeWitness:
     def stop(self) -> None:
         self._stop.set()
         self._t.join(2)
+
+
+def event_mono(event: dict[str, Any]) -> float:
+    """An event's wall-clock timestamp on this process's monotonic clock."""
+    from datetime import datetime
+
+    at = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+    return at - (time.time() - time.monotonic())
+
+
+def loop_stalls(events: list[dict[str, Any]]) -> list[tuple[float, float, dict[str, Any]]]:
+    """The runtime's own account of its event loop's stalls (runtime/loopwatch.py): (from, to)
+    on this process's monotonic clock, and the event with `cpu_s` (the loop busy with code of
+    its own), `asleep_s` (waiting in a call) and `starved_s` (not scheduled: the box)."""
+    out = []
+    for e in events:
+        if e.get("event") == "event_loop_resumed":
+            shift = time.time() - time.monotonic()  # the loop's own stamps, not the log line's time
+            out.append((float(e["began"]) - shift, float(e["ended"]) - shift, e))
+    return out
+
+
+def within(windows: list[tuple[float, float]], a: float, b: float) -> float:
+    """Seconds of [a, b] covered by `windows`."""
+    return sum(max(0.0, min(b, e) - max(a, s)) for s, e in windows)
 
 
 def free_port() -> int:
@@ -123,6 +149,13 @@ class GuardServer:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         # Tests written for the drain-stop-start recycle pin it; tests/test_strategies*.py choose.
         pin = [] if "--recycle-strategy" in self.args else ["--recycle-strategy", "cold"]
+        # no load balancer in front of a test's box: no lead before a stop, unless the test asks for one
+        cfg_text = Path(self.args[self.args.index("--config") + 1]).read_text() if "--config" in self.args else ""
+        if "--unready-lead" not in self.args and "unready_lead" not in cfg_text:
+            pin += ["--unready-lead", "0s"]
+        # a standby doubles every start's CPU on this 2-core box: only the tests about it keep one
+        if "--standby" not in self.args and "standby" not in cfg_text:
+            pin += ["--standby", "off"]
         cmd = [*GUARD_CMD, "serve", "--model", self.model, "--port", str(self.port),
                "--state-dir", str(self.state_dir), *pin, *self.args, "--", *self.vllm_args]
         self.log = open(self.log_path, "ab")
@@ -208,18 +241,41 @@ def guard_factory(tiny_model: str, tmp_path: Path) -> Iterator[Any]:
 
 
 def processes_of(state_dir: Path) -> list[int]:
-    """Every process on the box started for this state dir (the runtime puts it in the env of
-    each vLLM generation; grandchildren inherit it)."""
+    """Every live process on the box started for this state dir: the members of each
+    generation's process group (led by its API server, pid and start time in the ledger) that
+    started no earlier than it, and any process with the state dir in its environment.
+
+    Not by environment alone: vLLM renames EngineCore and its workers with setproctitle, which
+    overwrites their environment area (/proc/PID/environ reads as NUL bytes)."""
+    import sqlite3
+
+    import psutil
+
+    groups: list[tuple[int, float]] = []
+    db = state_dir / "ledger.sqlite"
+    if db.exists():
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            groups = [(p, s) for p, s in conn.execute("SELECT pid, pid_started FROM generations") if p and s]
+        finally:
+            conn.close()
     needle = f"VLLM_GUARD_STATE_DIR={state_dir.resolve()}".encode()
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
+    found = set()
+    for proc in psutil.process_iter(["pid", "create_time", "status"]):
+        pid = proc.info["pid"]
+        if pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
             continue
         try:
-            env = (d / "environ").read_bytes()
-            stat = (d / "stat").read_text()
+            pgid = os.getpgid(pid)
         except OSError:
             continue
-        if needle in env.split(b"\0") and stat.rsplit(")", 1)[1].split()[0] != "Z":
-            found.append(int(d.name))
-    return found
+        if any(pgid == g and proc.info["create_time"] >= started - 0.05 for g, started in groups):
+            found.add(pid)
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            found.add(pid)
+    return sorted(found)

@@ -134,3 +134,16 @@ def test_a_ledger_that_cannot_be_read_is_one_line_and_nothing_starts(tmp_path: P
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "ledger" in lines[0], lines
     assert not (state / "logs").exists() and not (state / "admin.sock").exists()
+
+
+def test_vllm_cpu_servers_that_may_overlap_are_not_bound_to_the_same_cores() -> None:
+    from vllm_guard.core.config import GuardConfig
+    from vllm_guard.runtime.cli import cpu_omp_bind
+
+    c = GuardConfig()
+    assert cpu_omp_bind(c, {}) == "nobind"  # auto strategy, a standby: two servers at once
+    c.server.recycle_strategy, c.server.standby = "cold", "off"
+    assert cpu_omp_bind(c, {}) is None  # one server at a time: vLLM's own binding
+    c.server.replicas = 2
+    assert cpu_omp_bind(c, {}) == "nobind"
+    assert cpu_omp_bind(c, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) is None  # the operator's wins

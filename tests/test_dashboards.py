@@ -17,7 +17,7 @@ import yaml
 from conftest import ROOT
 from test_metrics_runtime import STATUS, make_ledger
 from vllm_guard.core.protocol import StatusSnapshot
-from vllm_guard.runtime.metrics import RuntimeMetrics
+from vllm_guard.runtime.records.metrics import RuntimeMetrics
 from vllm_guard.watchdog.exporter import Exporter
 
 DASH = ROOT / "dashboards" / "vllm-guard.json"
@@ -36,10 +36,25 @@ def family_names(registry: Any) -> set[str]:
     return out
 
 
+def runtime_metrics(tmp: Path) -> RuntimeMetrics:
+    """The runtime's registry with a replica serving and its vLLM page re-exported (a real vLLM
+    0.32.0 page), readiness known and one request observed."""
+    from test_metrics_runtime import VLLM_PAGE
+    from vllm_guard.runtime.frontdoor.done import Outcome, RequestDone
+
+    page = VLLM_PAGE.read_text()
+    m = RuntimeMetrics(make_ledger(tmp), fetch=lambda targets: {i: page for i, _ in targets})
+    replica = {"index": 0, "state": "serving", "generation": 3, "backend_url": "http+unix://%2Fb.sock",
+               "gpu_name": "NVIDIA H200"}
+    m.snapshot = StatusSnapshot.from_json({**STATUS, "replicas": [replica]})
+    m.ready = True
+    m.requests.observe(RequestDone(request_id="r", counted=True, outcome=Outcome.COMPLETED, status=200, reason="",
+                                   arrived=0.0, e2e_s=0.8, ttft_s=0.3, replica=0))
+    return m
+
+
 def exported(tmp: Path) -> set[str]:
-    m = RuntimeMetrics(make_ledger(tmp))
-    m.snapshot = StatusSnapshot.from_json(STATUS)
-    return family_names(m.registry) | family_names(Exporter().registry)
+    return family_names(runtime_metrics(tmp).registry) | family_names(Exporter().registry)
 
 
 def dashboard_exprs() -> Iterator[tuple[str, str]]:
@@ -85,7 +100,11 @@ def test_every_expression_parses_and_names_only_our_metrics(tmp_path: Path) -> N
     # the fleet view covers both exporters and the figures the alerts are about
     for must in ("vllm_guard_runtime_request_outcomes_total", "vllm_guard_runtime_recycles_total",
                  "vllm_guard_runtime_failures_total", "vllm_guard_runtime_stall_seconds",
-                 "vllm_guard_time_to_oom_seconds", "vllm_guard_thermal_throttle_share", "vllm_guard_incidents_total"):
+                 "vllm_guard_time_to_oom_seconds", "vllm_guard_thermal_throttle_share", "vllm_guard_incidents_total",
+                 # the fleet view: histograms per replica, vLLM's own series, readiness, GPU models
+                 "vllm_guard_runtime_request_ttft_seconds_bucket", "vllm_guard_runtime_request_e2e_seconds_bucket",
+                 "vllm:num_requests_running", "vllm:generation_tokens_total", "vllm_guard_runtime_ready",
+                 "vllm_guard_runtime_replica_info"):
         assert must in used, must
     # the template variables' metric names too (Grafana's label_values(), not PromQL)
     d = json.loads(DASH.read_text())
@@ -93,6 +112,26 @@ def test_every_expression_parses_and_names_only_our_metrics(tmp_path: Path) -> N
         q = v.get("definition", "")
         for name in re.findall(r"label_values\((\w+)", q):
             assert name in ours, (v["name"], name)
+
+
+def test_every_bucket_bound_named_exists(tmp_path: Path) -> None:
+    """`le="..."` in a query must be a bucket the histogram has, spelled as the exposition spells it
+    ("5.0", not "5"): a bound that matches no series makes an SLA share of nothing."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(runtime_metrics(tmp_path).registry).decode()
+    buckets: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith("_bucket"):
+                buckets.setdefault(s.name, set()).add(s.labels["le"])
+    seen = 0
+    for where, expr in list(dashboard_exprs()) + list(alert_exprs()):
+        for name, le in re.findall(r'(\w+_bucket)\{[^}]*le="([^"]+)"', expr):
+            assert le in buckets[name], f"{where}: {name} has no bucket le={le!r} ({sorted(buckets[name])})"
+            seen += 1
+    assert seen >= 3
 
 
 def test_a_misspelled_metric_or_bad_syntax_is_caught(tmp_path: Path) -> None:

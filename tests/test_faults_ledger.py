@@ -22,7 +22,7 @@ from typing import Iterator
 import pytest
 
 from vllm_guard.core import ledger as L
-from vllm_guard.runtime.ledger import RETRY_MAX_S, RuntimeLedger
+from vllm_guard.runtime.records.writer import RETRY_MAX_S, RuntimeLedger
 
 pytestmark = pytest.mark.faults
 

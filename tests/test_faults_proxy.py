@@ -23,7 +23,8 @@ from aiohttp import web
 
 from vllm_guard.core.config import ServerConfig
 from vllm_guard.core.vllm_api import PROBE_ID_PREFIX, unix_url
-from vllm_guard.runtime.proxy import Proxy, Target
+from vllm_guard.runtime.frontdoor.proxy import Proxy
+from vllm_guard.runtime.frontdoor.target import Target
 
 pytestmark = pytest.mark.faults
 
@@ -71,8 +72,9 @@ class Upstream:
                 return web.json_response({"ok": True, "path": request.path})
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            for i in range(self.chunks):
-                await resp.write(f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode())
+            for i in range(self.chunks):  # the last chunk has vLLM's finish_reason
+                fin = "length" if i == self.chunks - 1 else None
+                await resp.write(f"data: {json.dumps({'choices': [{'text': str(i), 'finish_reason': fin}]})}\n\n".encode())
                 await asyncio.sleep(self.delay)
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
@@ -107,11 +109,21 @@ class Rig:
         return t
 
 
+def no_tokenizer_config(tmp_path: Path, **server: Any) -> ServerConfig:
+    """A proxy whose streams are not resumable: its model directory has no tokenizer. Without a
+    model the proxy reads the embedded model's cache directory (~/.cache/vllm-guard), whose
+    tokenizer exists once `make demo` ran; the path a stream takes must not depend on that."""
+    model = tmp_path / "model-without-tokenizer"
+    model.mkdir(exist_ok=True)
+    server.setdefault("model", str(model))
+    return ServerConfig(port=free_port(), **server)
+
+
 def run(tmp_path: Path, scenario: Callable[[Rig], Awaitable[None]], **server: Any) -> None:
     async def main() -> None:
         up = Upstream(tmp_path / "up.sock")
         await up.start()
-        cfg = ServerConfig(port=free_port(), **server)
+        cfg = no_tokenizer_config(tmp_path, **server)
         rig_errors: list[int] = []
         proxy = Proxy(cfg, on_limit=lambda t: None, on_error=lambda t: rig_errors.append(t.generation))
         await proxy.start()
@@ -147,7 +159,7 @@ def test_vllm_development_endpoints_never_reach_the_backend(tmp_path: Path) -> N
                     async with s.request(method, rig.url + path, json={}) as r:
                         body = await r.json()
                         assert r.status == 404, (method, path, r.status)
-                        assert body["error"]["type"] == "vllm_guard"
+                        assert body["error"]["code"] == "not_served" and set(body["error"]) == {"message", "type", "param", "code"}
             async with s.get(rig.url + "/v1/completions") as r:
                 assert r.status == 405
             async with s.get(rig.url + "/v1/models") as r:
@@ -240,8 +252,14 @@ def test_a_backend_that_drops_the_connection_gets_the_request_twice_not_ten_time
         assert rig.proxy.counters.retried == 1 and rig.errors == [1, 1]
         assert t.dispatched == 0  # neither attempt reached an engine
         assert took >= 4.5  # the retry waited for another generation first (none came)
+        # admitted once for its client (one request in flight allowed): the retry is not admitted
+        # again, and the request is one failure of the service
+        from vllm_guard.core.protocol import FailReason
+        c = rig.proxy.counters
+        assert (c.requests_total, c.failed_requests, c.rejected) == (1, 1, 0), c
+        assert c.failed_by == {FailReason.BACKEND_ERROR: 1} and rig.proxy.admission.clients == {}
 
-    run(tmp_path, scenario)
+    run(tmp_path, scenario, max_client_requests=1, migration_limit=1)  # one move: two attempts
 
 
 def test_the_retry_goes_to_the_next_generation_when_one_comes(tmp_path: Path) -> None:
@@ -470,7 +488,7 @@ def test_a_client_that_leaves_cancels_its_request_at_every_stage(tmp_path: Path)
 _PROXY_ALONE = """
 import asyncio, sys
 from vllm_guard.core.config import ServerConfig
-from vllm_guard.runtime.proxy import Proxy
+from vllm_guard.runtime.frontdoor.proxy import Proxy
 async def main():
     p = Proxy(ServerConfig(port=int(sys.argv[1])), on_limit=lambda t: None, on_error=lambda t: None)
     await p.start()
@@ -534,3 +552,219 @@ def test_a_1gb_upload_costs_the_proxy_no_more_than_its_body_limit(tmp_path: Path
           f"peak {peak / 1024:.0f} MB, {after / 1024:.0f} MB after; the proxy took "
           f"{sent['declared'] / 2**20:.0f} MB (declared) and {sent['chunked'] / 2**20:.0f} MB (chunked) "
           f"before closing", flush=True)
+
+
+def test_every_request_ends_in_exactly_one_record(tmp_path: Path) -> None:
+    """Each request the proxy receives gives its listeners one `RequestDone`: answered, refused by
+    the route or the body limit, refused by vLLM, or left by its client."""
+    from vllm_guard.runtime.frontdoor.done import Outcome, RequestDone
+
+    async def scenario(rig: Rig) -> None:
+        seen: list[RequestDone] = []
+        rig.proxy.listeners.append(seen.append)
+        await rig.target(generation=7)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(rig.url + "/v1/completions", json=completion()) as r:
+                assert r.status == 200
+                await r.read()
+            async with s.post(rig.url + "/nonexistent", json={}) as r:
+                assert r.status == 404
+            async with s.post(rig.url + "/v1/completions", data=b"x" * 2_000_000) as r:
+                assert r.status == 413
+            rig.upstream.mode = "bad"
+            async with s.post(rig.url + "/v1/completions", json=completion(stream=False)) as r:
+                assert r.status == 400
+            rig.upstream.mode, rig.upstream.delay = "stream", 0.5
+            async with s.post(rig.url + "/v1/completions", json=completion()) as r:
+                await r.content.readany()  # the first chunk, then the client leaves
+        end = time.monotonic() + 10
+        while len(seen) < 5 and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        assert [d.outcome for d in seen] == [Outcome.COMPLETED, Outcome.REJECTED, Outcome.REJECTED,
+                                             Outcome.REJECTED, Outcome.CLIENT_DISCONNECTED], seen
+        ok = seen[0]
+        assert ok.counted and ok.stream and ok.generation == 7 and ok.status == 200
+        assert ok.chunks >= 20 and ok.ttft_s is not None and ok.e2e_s >= ok.ttft_s and ok.max_gap_s is not None
+        assert not seen[1].counted and seen[1].status == 404
+        assert seen[2].status == 413 and seen[3].status == 400 and "400" in seen[3].reason
+        assert len({d.request_id for d in seen}) == 5
+
+    run(tmp_path, scenario, max_body_mb=1.0)
+
+
+# -- admission: what one request and one client may ask for ------------------------------------------
+async def post(s: aiohttp.ClientSession, url: str, body: Any, path: str = "/v1/completions",
+               headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], aiohttp.ClientResponse]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with s.post(url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
+        return r.status, await r.json(content_type=None), r
+
+
+def test_admission_bounds_a_request_and_a_client_once_with_one_error_each(tmp_path: Path) -> None:
+    """n, max_tokens and the tokens a request asks for are bounded before it is queued or sent
+    (400, nothing reaches the backend); a client (its API key when it is one of vLLM's, else its
+    address: an invented key is the address) is bounded in requests and tokens in flight (429 with
+    Retry-After); every refusal is one JSON error in OpenAI's shape, rejected with its reason."""
+    from vllm_guard.core.protocol import RejectReason as R
+
+    async def scenario(rig: Rig) -> None:
+        await rig.target()
+        url = rig.url
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            refusals = [
+                ({"prompt": "x", "n": 5, "max_tokens": 8}, "/v1/completions", R.N_TOO_LARGE, "n"),
+                ({"prompt": "x", "n": "5", "max_tokens": 8}, "/v1/completions", R.N_TOO_LARGE, "n"),  # vLLM reads "5" as 5
+                ({"prompt": "x", "best_of": 9}, "/v1/completions", R.N_TOO_LARGE, "best_of"),
+                ({"prompt": "x", "n": 2, "max_tokens": 600}, "/v1/completions", R.REQUEST_TOKENS_TOO_LARGE, "max_tokens"),
+                ({"prompt": ["a", "b", "c"], "max_tokens": 400}, "/v1/completions", R.REQUEST_TOKENS_TOO_LARGE,
+                 "max_tokens"),  # a batch of prompts: each is a sequence
+                ({"messages": [], "n": 2}, "/v1/chat/completions", R.REQUEST_TOKENS_TOO_LARGE, "max_tokens"),  # 2 x 512
+                ({"messages": [], "max_completion_tokens": 700, "max_tokens": 100}, "/v1/chat/completions",
+                 R.MAX_TOKENS_TOO_LARGE, "max_tokens"),  # max_completion_tokens wins, as in vLLM
+                ({"prompt": "x", "max_tokens": "many"}, "/v1/completions", R.BAD_REQUEST, "max_tokens"),
+                (b'{"prompt": "x", "n": 2', "/v1/completions", R.BAD_REQUEST, None),
+                (b'[1, 2]', "/v1/chat/completions", R.BAD_REQUEST, None),
+            ]
+            for body, path, reason, param in refusals:
+                status, err, r = await post(s, url, body, path)
+                assert status == 400 and err["error"]["code"] == reason.value, (body, status, err)
+                assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["param"] == param
+                assert err["error"]["type"] == "invalid_request_error" and "Retry-After" not in r.headers
+            assert rig.upstream.hits["/v1/completions"] == 0 and rig.upstream.hits["/v1/chat/completions"] == 0
+            rig.upstream.mode, rig.upstream.delay = "slow", 0.0
+            for body, path in (({"prompt": "x", "n": 4, "max_tokens": 250}, "/v1/completions"),  # 1000: at the bound
+                               ({"messages": []}, "/v1/chat/completions"),  # one sequence of the context
+                               ({"prompt": "x"}, "/v1/completions")):  # vLLM's default: 16 tokens
+                assert (await post(s, url, {**body, "stream": False}, path))[0] == 200, body
+            # in flight per client: two slow requests from this address, a third is refused
+            rig.upstream.mode, rig.upstream.delay = "slow", 30.0
+            held = [asyncio.create_task(post(s, url, completion(stream=False, tokens=300))) for _ in range(2)]
+            while rig.proxy.in_flight < 2:
+                await asyncio.sleep(0.01)
+            status, err, r = await post(s, url, completion(stream=False))
+            assert status == 429 and err["error"]["code"] == R.CLIENT_REQUESTS.value, err
+            assert err["error"]["type"] == "rate_limit_error" and r.headers["Retry-After"] == "10"
+            status, err, _ = await post(s, url, completion(stream=False), headers={"Authorization": "Bearer invented"})
+            assert status == 429, "an invented key made a new client"
+            # one of vLLM's keys is a client of its own: its tokens in flight are bounded
+            key = {"Authorization": "Bearer k2"}
+            held.append(asyncio.create_task(post(s, url, completion(stream=False, tokens=600), headers=key)))
+            while rig.proxy.in_flight < 3:
+                await asyncio.sleep(0.01)
+            status, err, _ = await post(s, url, completion(stream=False, tokens=500), headers=key)
+            assert status == 429 and err["error"]["code"] == R.CLIENT_TOKENS.value, err
+            assert len(rig.proxy.admission.clients) == 2
+            for t in held:
+                t.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+        end = time.monotonic() + 10
+        while (rig.proxy.in_flight or rig.proxy.admission.clients) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        assert rig.proxy.admission.clients == {}, "what ended was not given back"
+        c = rig.proxy.counters
+        assert c.rejected_by == {R.N_TOO_LARGE: 3, R.REQUEST_TOKENS_TOO_LARGE: 3, R.MAX_TOKENS_TOO_LARGE: 1,
+                                 R.BAD_REQUEST: 3, R.CLIENT_REQUESTS: 2, R.CLIENT_TOKENS: 1}, c.rejected_by
+        assert (c.completed, c.failed_requests, c.client_disconnects) == (3, 0, 3), c
+        assert c.completed + c.rejected + c.failed_requests + c.client_disconnects == c.requests_total == 19
+        assert c.not_forwarded == 13
+
+    run(tmp_path, scenario, max_n=4, max_tokens=600, max_request_tokens=1000, max_client_requests=2,
+        max_client_tokens=1000, vllm_args=["--max-model-len", "512", "--api-key", "k1", "k2"])
+
+
+# -- the counters --------------------------------------------------------------------------------------
+def test_outcome_counters_mean_what_they_say_under_a_mix_of_attacks(tmp_path: Path) -> None:
+    """Client errors (the guard's 413/408/400/429, vLLM's 4xx) and held 503s are rejected, each
+    with its reason; failed stays 0 until the service fails one (a stall past queue_max_wait);
+    every counted request is in exactly one of completed / rejected / failed / client_disconnects."""
+    from vllm_guard.core.protocol import FailReason, RejectReason as R
+
+    async def scenario(rig: Rig) -> None:
+        p = rig.proxy
+        await rig.target()
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        assert (await raw(rig.url, head + b"Content-Length: 40000000\r\n\r\n")).startswith(b"HTTP/1.1 413")
+        assert (await raw(rig.url, head + b"Content-Length: 100\r\n\r\n", b"{", read_timeout=10)).startswith(
+            b"HTTP/1.1 408")
+        async with aiohttp.ClientSession() as s:
+            assert (await post(s, rig.url, b"{not json"))[0] == 400
+            assert (await post(s, rig.url, {"prompt": "x", "n": 99}))[0] == 400
+            async with s.post(rig.url + "/v1/completions", json=completion()) as r:
+                assert r.status == 200 and b"[DONE]" in await r.read()
+            rig.upstream.mode = "bad"
+            assert (await post(s, rig.url, completion(stream=False)))[0] == 400  # vLLM's own 400
+            rig.upstream.mode, rig.upstream.delay = "stream", 0.5
+            async with s.post(rig.url + "/v1/completions", json=completion()) as r:
+                await r.content.readany()  # the first chunk, then the client leaves
+            async with s.get(rig.url + "/v1/models") as r:  # not an engine request: not counted
+                assert r.status == 200
+            await p.set_reject("held: maintenance")
+            status, err, r = await post(s, rig.url, completion())
+            assert status == 503 and err["error"]["code"] == R.UNAVAILABLE.value and "Retry-After" in r.headers
+            await p.set_reject(None)
+            await p.set_target(None)  # no backend: the queue's wait runs out, the service failed it
+            status, err, _ = await post(s, rig.url, completion())
+            assert status == 503 and err["error"]["code"] == FailReason.QUEUE_TIMEOUT.value, err
+        end = time.monotonic() + 10
+        while p.in_flight + p.queued and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        c = p.counters
+        assert c.rejected_by == {R.BODY_TOO_LARGE: 1, R.BODY_STALLED: 1, R.BAD_REQUEST: 1, R.N_TOO_LARGE: 1,
+                                 R.VLLM_REFUSED: 1, R.UNAVAILABLE: 1}, c.rejected_by
+        assert c.failed_by == {FailReason.QUEUE_TIMEOUT: 1} and c.failed_requests == 1, c
+        assert (c.completed, c.rejected, c.client_disconnects) == (1, 6, 1), c
+        assert c.completed + c.rejected + c.failed_requests + c.client_disconnects == c.requests_total == 9
+        assert c.not_forwarded == 4  # 413, 408, the bad JSON and n: never past the front door
+        if rig.current is not None:
+            await rig.current.close()
+
+    run(tmp_path, scenario, idle_timeout=1, queue_max_wait=1)
+
+
+# -- half-closed clients ---------------------------------------------------------------------------
+def test_a_half_closed_client_is_one_log_line_and_a_count_never_a_traceback(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Clients that send a request and shut their side (`shutdown(SHUT_WR)`), before or after the
+    whole body, or reset mid-body: each is one `client_disconnected` event and one count
+    (`connections_lost`, and a client disconnect), and aiohttp logs no "Error handling request"
+    with a traceback (it did, once per client)."""
+    import logging
+
+    import structlog
+
+    def half_close(port: int, body: bytes, send: int, reset: bool) -> None:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body))
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            c.sendall(head + body[:send])
+            if reset:  # RST instead of FIN
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            else:
+                c.shutdown(socket.SHUT_WR)
+                try:
+                    c.recv(65536)
+                except OSError:
+                    pass
+
+    async def scenario(rig: Rig) -> None:
+        rig.upstream.mode, rig.upstream.delay = "slow", 0.5
+        await rig.target()
+        body = json.dumps(completion(stream=False)).encode()
+        cases = [(len(body), False), (len(body) // 2, False), (len(body) // 2, True), (0, False)] * 3
+        with structlog.testing.capture_logs() as events:
+            for send, reset in cases:
+                await asyncio.to_thread(half_close, rig.proxy.cfg.port, body, send, reset)
+            end = time.monotonic() + 10
+            while rig.proxy.counters.connections_lost < len(cases) and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+        gone = [e for e in events if e["event"] == "client_disconnected"]
+        assert len(gone) == len(cases), events
+        c = rig.proxy.counters
+        assert c.connections_lost == c.client_disconnects == c.requests_total == len(cases), c
+        assert rig.proxy.in_flight == 0 and rig.proxy.body_bytes == 0
+        tracebacks = [r for r in caplog.records if r.exc_info or "Error handling request" in r.getMessage()]
+        assert not tracebacks, [r.getMessage() for r in tracebacks]
+
+    caplog.set_level(logging.DEBUG, logger="aiohttp")
+    run(tmp_path, scenario)

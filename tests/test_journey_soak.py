@@ -93,8 +93,8 @@ def test_serve_picked_a_kv_space_and_soak_report_agree(guard: GuardServer) -> No
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     f = json.loads(out.stdout)
-    assert f["latency"]["requests"] == closed["finished"] + opened["finished"]
-    assert f["latency"]["failed"] == 0
+    assert f["soak"]["requests"] == closed["finished"] + opened["finished"]
+    assert f["soak"]["failed"] == 0
 
 
 def test_resume_or_start_continues_a_killed_run_then_starts_a_new_one(guard: GuardServer, tmp_path: Path) -> None:

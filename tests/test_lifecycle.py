@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def keeper_of(state_dir: Path) -> list[int]:
-    """The runtime's keeper process (runtime/keeper.py, told the state dir as its marker)."""
+    """The runtime's keeper process (runtime/child/keeper.py, told the state dir as its marker)."""
     marker = f"VLLM_GUARD_STATE_DIR={state_dir.resolve()}".encode()
     found = []
     for d in Path("/proc").iterdir():

@@ -234,7 +234,7 @@ def test_live_check_on_a_copy_of_the_class_with_a_renamed_method() -> None:
     body = {k: v for k, v in vars(real).items() if k not in ("__dict__", "__weakref__")}
     body["release_blocks"] = body.pop("free_blocks")
     copy = type("BlockPool", real.__bases__, body)
-    t = registry.Target("vllm.v1.core.block_pool", "BlockPool", "free_blocks", ("ordered_blocks",))
+    t = registry.Anchor("vllm.v1.core.block_pool", "BlockPool", "free_blocks", ("ordered_blocks",))
     assert registry.live_check(t) is None
     mod.BlockPool = copy
     try:

@@ -10,6 +10,7 @@ injected cost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import subprocess
@@ -59,8 +60,13 @@ def synthetic_ticks(seed: int = 0, n: int = 400, gens: int = 2) -> list[Tick]:
     return ticks
 
 
+def _report(*args: Any) -> dict[str, Any]:
+    """The typed figures as the JSON has them."""
+    return dataclasses.asdict(attribution_report(*args))
+
+
 def test_names_the_cause_per_process_with_its_cost() -> None:
-    rep = attribution_report(synthetic_ticks(), 0.90)
+    rep = _report(synthetic_ticks(), 0.90)
     by = {(p["role"], p["metric"]): p for p in rep["processes"]}
     api, eng = by[("api_server", "rss_mb")], by[("engine_core", "rss_mb")]
     assert api["cause"] == "cancelled" and eng["cause"] == "completed"
@@ -84,11 +90,11 @@ def test_no_growth_names_nothing_and_lockstep_counters_are_left_out() -> None:
                        "in_flight": 0, "queued": 0, "failures": 0, "completed": 3 * i, "failed": 0,
                        "client_disconnects": 0},
         }))
-    p = attribution_report(ticks)["processes"][0]
+    p = _report(ticks)["processes"][0]
     assert p["cause"] is None
     assert any(x.startswith("cancelled: never changed") for x in p["left_out"])
     assert any("collinear" in x for x in p["left_out"])  # 3 per second: completed moves with time
-    assert attribution_report([])["present"] is False
+    assert _report([])["present"] is False
 
 
 def test_errored_requests_named_on_phased_load() -> None:
@@ -113,7 +119,7 @@ def test_errored_requests_named_on_phased_load() -> None:
                            "requests_generation": done + failed, "in_flight": 0, "queued": 0, "failures": 0,
                            "completed": done, "failed": failed, "client_disconnects": 0},
             }))
-    rep = attribution_report(ticks, 0.90)
+    rep = _report(ticks, 0.90)
     api_p = rep["processes"][0]
     f = {x["feature"]: x for x in api_p["features"]}
     assert api_p["cause"] == "errored", api_p
@@ -205,7 +211,7 @@ def test_features_that_cancel_name_no_cause() -> None:
                        "requests_generation": done + cancelled, "in_flight": 0, "queued": 0, "failures": 0,
                        "completed": done, "failed": 0, "client_disconnects": cancelled},
         }))
-    rep = attribution_report(ticks)
+    rep = _report(ticks)
     p = rep["processes"][0]
     f = {x["feature"]: x for x in p["features"]}
     assert f["cancelled"]["low"] <= 1.0 <= f["cancelled"]["high"] and f["cancelled"]["significant"]

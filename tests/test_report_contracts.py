@@ -180,10 +180,10 @@ def test_runtime_requests_show_without_a_soak(tmp_path: Path) -> None:
     generation(conn, 2, 3700, None, None, served=345)
     conn.close()
     f = report_json(db)
-    assert f["service"]["requests_served"] == 1545 and f["latency"]["requests"] == 0
+    assert f["service"]["requests_served"] == 1545 and f["traffic"]["requests"] == 0
     text = run("--db", str(db)).stdout
     assert "requests served 1545 in 2 generations" in text
-    assert "the runtime served 1545 requests" in text
+    assert "no requests recorded: the runtime writes every request it serves" in text
 
 
 def test_bad_inputs_are_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -216,3 +216,34 @@ def test_bad_inputs_are_one_line_and_exit_2(tmp_path: Path) -> None:
         out = subprocess.run([GUARD, "soak", "--resume", "--db", str(db)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
     assert other.read_bytes() == before  # the soak did not add its tables to someone else's file
+
+
+def test_clock_drop_is_one_figure_for_the_watchdog_and_the_report(tmp_path: Path) -> None:
+    """The watchdog alarmed on the mean busy drop, the report showed 1 - p5/max: on a card at
+    its max clock 90 % of the time and at 60 % of it otherwise, they said 4 % and 40 %. Now
+    both are core.gpu.clock_drop_pct (over the watchdog's window for the report): one number."""
+    from vllm_guard.core import gpu
+    from vllm_guard.core.samples import GpuReading
+    from vllm_guard.watchdog.base import Sample
+    from vllm_guard.watchdog.thermal import ThermalDetector
+
+    from test_watchdog_units import cfg_of
+
+    clocks = [1980.0 * (0.6 if i % 10 == 0 else 1.0) for i in range(40)]  # 400 s: inside one window
+    det = ThermalDetector(cfg_of({}))
+    db = tmp_path / "l.sqlite"
+    conn = L.connect(db)
+    generation(conn, 1, 0, None, None)
+    for i, c in enumerate(clocks):
+        rec = NvmlRecord.model_validate({"at_s": (BASE + dt.timedelta(seconds=100 + 10 * i)).timestamp(), "gpus": [{
+            "index": 0, "uuid": "GPU-1", "name": "NVIDIA H200", "temp_c": 70.0, "sm_clock_mhz": c,
+            "sm_clock_max_mhz": 1980.0, "clock_reasons": 0}]})
+        res = det.check(Sample(at=_t(100 + 10 * i), t=100.0 + 10 * i, nvml=rec))
+        _tick(conn, _t(100 + 10 * i), {"nvml": rec.model_dump(mode="json")})
+    conn.close()
+    watchdog = res.data["gpus"][0]["clock_drop_pct"]
+    core = gpu.clock_drop_pct((c, 1980.0, 0) for c in clocks)
+    report = report_json(db)["thermal"]["gpus"][0]["clock_drop_pct"]
+    assert core == pytest.approx(4.0) and watchdog == pytest.approx(core, abs=0.05)
+    assert report == pytest.approx(core, abs=1e-9), report
+    assert GpuReading  # the record the detector and the report read

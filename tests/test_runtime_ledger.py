@@ -11,7 +11,7 @@ from pathlib import Path
 from vllm_guard.core import ledger as L
 from vllm_guard.core.reliability import service_figures
 from vllm_guard.core.timefmt import parse_iso
-from vllm_guard.runtime.ledger import RuntimeLedger
+from vllm_guard.runtime.records.writer import RuntimeLedger
 
 
 def rows(path: Path, sql: str) -> list[tuple[object, ...]]:
@@ -133,3 +133,44 @@ def test_an_older_ledger_gains_the_updated_at_column(tmp_path: Path) -> None:
     assert led.close()
     # no incremental update known: the old rule (ready_at) is all there is
     assert rows(tmp_path, "SELECT ended_at FROM generations") == [("2026-01-01T00:01:00.000Z",)]
+
+
+def test_a_lost_generation_is_a_failure_restored_only_when_its_replica_serves_again(tmp_path: Path) -> None:
+    """A killed runtime's open generation is a `runtime_lost` failure of its own. A next runtime
+    stopped before it ever served restores nothing; the one after, once it serves, does."""
+    from vllm_guard.runtime.records.books import RuntimeBooks
+
+    a = RuntimeLedger(tmp_path)
+    row = a.generation_started(1, pid=1234, pid_started=None, model="m")
+    a.generation_ready(row, "0.32.0", "")
+    a.generation_progress(row, 7)
+    assert a.close()  # killed: generation 1 is left open
+
+    b = RuntimeLedger(tmp_path)
+    books = RuntimeBooks(b, failure_window=600.0)
+    lost = b.close_open_generations("runtime_lost")
+    assert [(x.generation, x.replica) for x in lost] == [(1, 0)]
+    for x in lost:
+        books.lost(x.generation, x.replica, x.failure_id, x.at)
+    row2 = b.generation_started(2, pid=2345, pid_started=None, model="m")
+    time.sleep(0.05)
+    b.generation_ended(row2, "shutdown", L.SCHEDULED, 0)  # stopped while it was still starting
+    assert b.close()
+    assert rows(tmp_path, "SELECT generation, kind, class, restored_at FROM failures") == \
+        [(1, "runtime_lost", "unplanned", None)]
+    figs = service_figures(L.read_runtime(L.open_readonly(tmp_path)), now=time.time())
+    (ev,) = figs.unplanned_events
+    assert ev.kind == "runtime_lost" and ev.restored_at is None and ev.restore_s is None
+    assert figs.mttr_s is None, "a restore that never happened"
+
+    c = RuntimeLedger(tmp_path)
+    books = RuntimeBooks(c, failure_window=600.0)
+    assert c.close_open_generations("runtime_lost") == []
+    row3 = c.generation_started(3, pid=3456, pid_started=None, model="m")
+    time.sleep(0.05)
+    c.generation_ready(row3, "0.32.0", "")
+    assert c.close()
+    figs = service_figures(L.read_runtime(L.open_readonly(tmp_path)), now=time.time())
+    (ev,) = figs.unplanned_events
+    ready3 = rows(tmp_path, "SELECT ready_at FROM generations WHERE generation = 3")[0][0]
+    assert ev.restored_at == ready3 and ev.restore_s is not None and ev.restore_s > 0

@@ -8,12 +8,11 @@ import pytest
 from vllm_guard.core.config import ConfigError, GuardConfig, set_value, validate
 from vllm_guard.core.gpu import select_gpus
 from vllm_guard.core.protocol import MemoryReading, ProcessMemory, Role
-from vllm_guard.runtime import replicas
-from vllm_guard.runtime.machine import State
-from vllm_guard.runtime.proxy import Target
-from vllm_guard.runtime.router import AVOID_AFTER_FAILURE_S, Route, Router, choose
-from vllm_guard.runtime.strategy import MemoryFit, Strategy
-from vllm_guard.runtime.strategy import choose as choose_strategy
+from vllm_guard.runtime.replica import plan as replicas
+from vllm_guard.runtime.frontdoor.target import Target
+from vllm_guard.runtime.frontdoor.router import AVOID_AFTER_FAILURE_S, Route, Router, choose
+from vllm_guard.runtime.replica.strategy import MemoryFit, Strategy
+from vllm_guard.runtime.replica.strategy import choose as choose_strategy
 
 GIB = 1024.0
 
@@ -131,6 +130,14 @@ def test_a_target_that_just_failed_is_passed_over_for_a_moment() -> None:
     assert choose(routes, 100.0).target is a
 
 
+def test_a_leaving_target_takes_requests_only_when_no_other_is_open() -> None:
+    a, b = Route(tgt(1, 0), 0), Route(tgt(2, 7), 1)
+    a.target.leaving = True  # its recycle leaves a gap soon: the other replica takes the load
+    assert choose([a, b], 0.0) is b
+    b.target.accepting = False
+    assert choose([a, b], 0.0) is a  # the only one open still serves: nothing queues early
+
+
 def test_a_retry_avoids_its_failed_target_even_when_it_is_the_only_one() -> None:
     r = Router(on_limit=lambda t: None)
     a = tgt(1)
@@ -183,19 +190,7 @@ def test_held_never_closes_at_the_limit() -> None:
     assert a.accepting
 
 
-# -- replicas -------------------------------------------------------------------------------------
-def test_one_replica_recycles_at_a_time_and_never_while_another_is_down() -> None:
-    S = State
-    assert replicas.may_recycle(0, [S.SERVING, S.SERVING], [False, False]) is None
-    assert replicas.may_recycle(0, [S.SERVING, S.SERVING], [False, True]) == "replica 1 is recycling"
-    assert replicas.may_recycle(1, [S.BACKOFF, S.SERVING], [False, False]) == "replica 0 is backoff"
-    assert replicas.may_recycle(0, [S.SERVING], [False]) is None
-
-
-def test_the_runtime_serves_while_any_replica_serves() -> None:
-    assert replicas.aggregate([State.STARTING, State.SERVING]) is State.SERVING
-    assert replicas.aggregate([State.BACKOFF, State.STARTING]) is State.STARTING
-
+# -- replicas: the rolling rule and the runtime's one state are tests/test_replica_machine.py ----
 
 STATIC = [
     {"index": 0, "uuid": "GPU-aaaa1111", "name": "NVIDIA H200", "pci_bus_id": "00000000:01:00.0"},
@@ -248,7 +243,7 @@ def test_bad_gpu_lists_are_one_config_error() -> None:
 
 def test_metrics_per_replica(tmp_path: object) -> None:
     from vllm_guard.core.protocol import ReplicaStatus, RuntimeState, StatusSnapshot
-    from vllm_guard.runtime.metrics import LedgerView, RuntimeCollector
+    from vllm_guard.runtime.records.metrics import LedgerView, RuntimeCollector
 
     st = StatusSnapshot(state=RuntimeState.SERVING, state_for_s=1.0, generation=7, pid=1, port=8000, model="m",
                         replicas=[ReplicaStatus(index=0, state=RuntimeState.SERVING, generation=7, in_flight=3),

@@ -1,6 +1,6 @@
-"""The supervisor's decisions without vLLM, in milliseconds: the state machine's transitions,
-the recycle triggers (pure functions of readings and `now`), the hang verdict over a window of
-/metrics scrapes, the bounded records, and the owned-argument check."""
+"""The supervisor's pure parts without vLLM, in milliseconds: the recycle triggers (pure
+functions of readings and `now`), the hang verdict over a window of /metrics scrapes, the
+bounded records, and the owned-argument check. The replica's machine: test_replica_machine.py."""
 
 from __future__ import annotations
 
@@ -12,77 +12,13 @@ import pytest
 from vllm_guard.core.config import RecycleConfig
 from vllm_guard.core.ledger import EndClass
 from vllm_guard.runtime.cli import find_owned_arg
-from vllm_guard.runtime.hang import ProgressWindow, Verdict, miss_counts
-from vllm_guard.runtime.machine import INITIAL, TRANSITIONS, IllegalTransition, Machine, State
-from vllm_guard.runtime.records import FailureRecord, Recent
-from vllm_guard.runtime.status import visible_gpu_name
+from vllm_guard.core.hang import HANG, ProgressWindow, Verdict
+from vllm_guard.runtime.records.recent import FailureRecord, Recent
+from vllm_guard.runtime.records.status import visible_gpu_name
 from vllm_guard.runtime.supervisor import SLOW_TURN_S, slow_turn
-from vllm_guard.runtime.triggers import (
-    GPU_MEMORY_GROWTH, HOST_RSS_GROWTH, IDLE_OPPORTUNISTIC, MAX_REQUESTS, MAX_UPTIME, Growth, Readings,
-    counts_toward_limit, generation_limit, limit_fraction, recycle_trigger,
-)
+from vllm_guard.runtime.frontdoor.target import counts_toward_limit
+from vllm_guard.runtime.replica.triggers import GPU_MEMORY_GROWTH, HOST_RSS_GROWTH, IDLE_OPPORTUNISTIC, MAX_REQUESTS, MAX_UPTIME, Growth, Readings, generation_limit, limit_fraction, recycle_trigger
 
-S = State
-
-
-# -- the state machine ------------------------------------------------------------------------
-def test_every_state_has_a_row_and_exiting_is_final() -> None:
-    assert set(TRANSITIONS) == set(State)
-    assert TRANSITIONS[S.EXITING] == frozenset()
-
-
-def test_a_runtime_begins_starting_or_held() -> None:
-    for first in (S.STARTING, S.HELD):
-        m = Machine()
-        m.enter(first, now=0.0)
-        assert m.state is first
-    with pytest.raises(IllegalTransition):
-        Machine().enter(S.SERVING, now=0.0)
-
-
-@pytest.mark.parametrize("path", [
-    [S.STARTING, S.SERVING, S.DRAINING, S.STOPPING, S.STARTING, S.SERVING],  # a recycle
-    [S.STARTING, S.SERVING, S.STOPPING, S.BACKOFF, S.STARTING],  # a crash, back off, start again
-    [S.STARTING, S.STOPPING, S.BACKOFF, S.HELD, S.STARTING],  # start failed, held, released
-    [S.STARTING, S.SERVING, S.DRAINING, S.STOPPING, S.STOPPING, S.EXITING],  # SIGTERM twice
-    [S.HELD, S.EXITING],
-    [S.STARTING, S.EXITING],  # the backend cannot even be launched
-])
-def test_the_runbook_paths_are_allowed(path: list[State]) -> None:
-    m = Machine()
-    for t, s in enumerate(path):
-        m.enter(s, now=float(t))
-    assert m.state is path[-1] and m.since == len(path) - 1
-
-
-@pytest.mark.parametrize("old, new", [
-    (S.SERVING, S.STARTING),  # never start a second generation beside a serving one
-    (S.DRAINING, S.SERVING),
-    (S.HELD, S.SERVING),
-    (S.BACKOFF, S.SERVING),
-    (S.EXITING, S.STARTING),
-    (S.SERVING, S.BACKOFF),  # a failed generation is stopped first
-])
-def test_transitions_outside_the_table_raise(old: State, new: State) -> None:
-    m = Machine(state=old, entered=True)
-    assert not m.can(new)
-    with pytest.raises(IllegalTransition, match=f"{old.value} -> {new.value}"):
-        m.enter(new, now=1.0)
-    assert m.state is old
-
-
-def test_deadlines_and_overdue() -> None:
-    m = Machine()
-    m.enter(S.STARTING, now=100.0, timeout=10.0)
-    assert m.deadline == 110.0
-    assert not m.overdue(110.0) and m.overdue(110.1)
-    assert not m.overdue(150.0, grace=60.0) and m.overdue(170.5, grace=60.0)
-    m.enter(S.SERVING, now=111.0)
-    assert m.deadline is None and not m.overdue(1e9) and m.age(115.0) == 4.0
-
-
-def test_initial_states_are_a_subset_of_states() -> None:
-    assert INITIAL <= set(State)
 
 
 # -- recycle triggers -------------------------------------------------------------------------
@@ -213,14 +149,14 @@ def window(samples: list[tuple[float, float | None]], keep: float = 30.0) -> Pro
 def test_no_token_moved_over_the_whole_window_is_stalled() -> None:
     w = window([(0.0, 500.0), (15.0, 500.0), (35.0, 500.0), (40.0, 500.0)])
     v = w.verdict(now=40.0, span=30.0)
-    assert v is Verdict.STALLED and miss_counts(v)
+    assert v is Verdict.STALLED and v in HANG
 
 
 def test_a_starved_engine_that_moved_inside_the_window_is_not_hung() -> None:
     # the probe timed out, but tokens moved 20 s ago: starved (a backlog, busy cores), not hung
     w = window([(0.0, 500.0), (20.0, 900.0), (35.0, 900.0), (40.0, 900.0)])
     v = w.verdict(now=40.0, span=30.0)
-    assert v is Verdict.MOVING and not miss_counts(v)
+    assert v is Verdict.MOVING and v not in HANG
 
 
 def test_progress_only_before_the_window_does_not_count() -> None:
@@ -233,7 +169,7 @@ def test_a_young_generation_is_not_judged_before_it_lived_a_whole_window() -> No
     generation younger than the window is never declared hung (the old flake)."""
     w = window([(100.0, 0.0), (110.0, 0.0)])
     v = w.verdict(now=110.0, span=30.0)
-    assert v is Verdict.TOO_SHORT and not miss_counts(v)
+    assert v is Verdict.TOO_SHORT and v not in HANG
     w.add(131.0, 0.0)
     assert w.verdict(now=131.0, span=30.0) is Verdict.STALLED
 
@@ -255,20 +191,20 @@ def test_metrics_silent_but_the_api_server_busy_is_starved_not_hung() -> None:
     answer /metrics for 9 s. It kept using CPU: starved, never a hang."""
     w = cpu_window([(0.0, 500.0, 10.0), (4.0, None, 11.5), (9.6, None, 13.0)], keep=5.0)
     v = w.verdict(now=9.6, span=5.0)
-    assert v is Verdict.BUSY and not miss_counts(v)
+    assert v is Verdict.BUSY and v not in HANG
 
 
 def test_metrics_silent_and_no_cpu_used_is_a_hang() -> None:
     # a stopped or deadlocked API server: no answer, no CPU over the whole window
     w = cpu_window([(0.0, 500.0, 10.0), (12.0, None, 10.0), (25.0, None, 10.0), (40.0, None, 10.0)])
     v = w.verdict(now=40.0, span=30.0)
-    assert v is Verdict.SILENT and miss_counts(v)
+    assert v is Verdict.SILENT and v in HANG
 
 
 def test_metrics_silent_and_cpu_unknown_proves_nothing() -> None:
     w = window([(0.0, 500.0), (12.0, None), (25.0, None), (40.0, None)])
     v = w.verdict(now=40.0, span=30.0)
-    assert v is Verdict.UNKNOWN and not miss_counts(v)
+    assert v is Verdict.UNKNOWN and v not in HANG
 
 
 def test_a_scrape_that_failed_inside_the_window_does_not_hide_progress() -> None:
@@ -337,3 +273,72 @@ def test_a_slow_loop_turn_says_where_its_time_went() -> None:
     parts = slow_turn(0.0, 0.25, 0.25, 7.25, 7.3)
     assert parts is not None and parts["replicas_s"] == 7.0 and parts["sleep_s"] == 0.25
 
+
+
+def test_the_beat_goes_on_through_a_slow_turn_but_not_a_wedged_one_or_an_overrun() -> None:
+    from vllm_guard.runtime.supervisor import WEDGED_TURN_S, may_beat
+
+    assert may_beat(False, None, 100.0)  # asleep between turns
+    assert may_beat(False, 100.0 - SLOW_TURN_S * 2, 100.0)  # a slow launch on a starved box
+    assert not may_beat(False, 100.0 - WEDGED_TURN_S, 100.0)
+    assert not may_beat(True, None, 100.0)
+
+
+def test_a_blocked_event_loop_is_logged_with_where_it_is_stuck() -> None:
+    import asyncio
+    import time
+
+    import structlog
+
+    from vllm_guard.runtime.loopwatch import LoopWatch
+
+    def stuck_in_here() -> None:
+        time.sleep(1.6)
+
+    async def main() -> LoopWatch:
+        w = LoopWatch(blocked_s=0.5)
+        w.start()
+        await asyncio.sleep(0.3)
+        stuck_in_here()  # blocks the loop, as a synchronous /proc walk would
+        await asyncio.sleep(0.4)
+        w.stop()
+        return w
+
+    with structlog.testing.capture_logs() as logs:
+        w = asyncio.run(main())
+    blocked = [e for e in logs if e["event"] == "event_loop_blocked"]
+    assert w.stalls == len(blocked) >= 1, logs  # (a starved box may add stalls of its own)
+    assert any("stuck_in_here" in e["stack"] for e in blocked), blocked
+    resumed = [e for e in logs if e["event"] == "event_loop_resumed"]
+    assert any(e["seconds"] >= 1.0 for e in resumed), resumed
+    assert all(e["ended"] - e["began"] == pytest.approx(e["seconds"], abs=0.01) and e["ended"] <= time.time()
+               for e in resumed), resumed
+    # time.sleep is a blocking call, not work: the loop thread slept through it
+    assert any(e["asleep_s"] >= 0.5 and e["cpu_s"] < 0.5 for e in resumed), resumed
+
+
+def test_a_loop_busy_with_its_own_work_is_told_from_one_that_waits() -> None:
+    import asyncio
+    import time
+
+    import structlog
+
+    from vllm_guard.runtime.loopwatch import LoopWatch
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:  # CPU seconds of this thread, whatever the box's load
+            pass
+
+    async def main() -> None:
+        w = LoopWatch(blocked_s=0.5)
+        w.start()
+        await asyncio.sleep(0.3)
+        spin(1.5)
+        await asyncio.sleep(0.4)
+        w.stop()
+
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(main())
+    resumed = [e for e in logs if e["event"] == "event_loop_resumed"]
+    assert any(e["cpu_s"] >= 1.0 for e in resumed), resumed

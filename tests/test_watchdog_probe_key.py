@@ -3,8 +3,9 @@
 guard.toml (`[server] vllm_args`) the probe's 1-token completion succeeds; with a wrong key
 it gets 401, which is reported (hang: degraded) and never taken for a hang.
 
-The probe goes to the backend the runtime's typed status names (`backend_url`), with the
-model it says it serves (`served_model`), and an X-Request-Id the plugin knows as a probe.
+The probe goes to the backend the runtime's typed status names for each replica
+(`replicas[].backend_url`), with the model it says it serves (`served_model`), and an
+X-Request-Id the plugin knows as a probe.
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ def once(server: GuardServer, *extra: str, env: dict[str, str] | None = None) ->
     return doc
 
 
+def _probe(doc: dict[str, Any]) -> dict[str, Any]:
+    """The probe of the one replica (the watchdog probes every replica the status lists)."""
+    reps = doc["sample"]["replicas"]
+    assert [r["index"] for r in reps] == [0], reps
+    return reps[0]["probe"]  # type: ignore[no-any-return]
+
+
 def _hang(doc: dict[str, Any]) -> dict[str, Any]:
     return [v for v in doc["verdicts"] if v["name"] == "hang"][0]
 
@@ -76,22 +84,22 @@ def test_probe_with_the_key_from_guard_toml_succeeds(keyed: GuardServer, tmp_pat
     cfg.write_text(f'[server]\nstate_dir = "{keyed.state_dir}"\nvllm_args = ["--api-key", "{KEY}"]\n'
                    '[watchdog]\nprobe_timeout = "120s"\n')
     doc = once(keyed, "--config", str(cfg))
-    probe = doc["sample"]["probe"]
+    probe = _probe(doc)
     assert probe is not None and probe["ok"] is True, probe
     assert _hang(doc)["health"] == "healthy"
     st = typed_status(keyed)
-    assert doc["sample"]["status"]["backend_url"] == st.backend_url
+    assert doc["sample"]["status"]["backend_url"] == st.backend_url == doc["sample"]["replicas"][0]["url"]
 
 
 def test_probe_with_the_key_from_the_environment_succeeds(keyed: GuardServer) -> None:
     doc = once(keyed, "--state-dir", str(keyed.state_dir), "--dry-run", env={"VLLM_API_KEY": KEY})
-    assert doc["sample"]["probe"]["ok"] is True, doc["sample"]["probe"]
+    assert _probe(doc)["ok"] is True, _probe(doc)
 
 
 def test_probe_with_a_wrong_key_gets_401_and_is_not_a_hang(keyed: GuardServer) -> None:
     """The same run with a wrong key fails: the test above can fail."""
     doc = once(keyed, "--state-dir", str(keyed.state_dir), "--dry-run", env={"VLLM_API_KEY": "wrong"})
-    probe = doc["sample"]["probe"]
+    probe = _probe(doc)
     assert probe["ok"] is False and probe["error"].startswith("HTTP 401"), probe
     hang = _hang(doc)
     assert hang["health"] == "degraded" and "HTTP 401" in hang["reason"] and hang["findings"] == []

@@ -158,9 +158,12 @@ def test_cuda_index_with_pci_bus_order_watches_that_gpu(tmp_path: Path) -> None:
 
 
 def test_service_gpus_from_the_config(tmp_path: Path) -> None:
-    """With --config, the service's GPUs are those `[install] gpus` gives the runtime."""
+    """With --config, the service's GPUs are those `[server] gpus` gives the runtime's replicas
+    (an index as `nvidia-smi` numbers them, whatever the CUDA order)."""
     cfg = tmp_path / "guard.toml"
-    cfg.write_text(f'[install]\ngpus = ["{A100}"]\n')
+    cfg.write_text('[server]\ngpus = ["1"]\n')
+    assert _watched(tmp_path, {}, "--config", str(cfg)) == [RTX]
+    cfg.write_text(f'[server]\ngpus = ["{A100}"]\n')
     assert _watched(tmp_path, {"CUDA_VISIBLE_DEVICES": "1"}, "--config", str(cfg)) == [A100]
 
 

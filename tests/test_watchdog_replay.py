@@ -18,8 +18,9 @@ import pytest
 
 from vllm_guard.core.config import WatchdogConfig, section_from_table
 from vllm_guard.core.ledger import EndClass
-from vllm_guard.core.protocol import Command, CommandRequest
-from vllm_guard.watchdog.base import CheckResult, Health, Sample
+from vllm_guard.core.protocol import Command, CommandRequest, ReplicaStatus, RuntimeState
+from vllm_guard.core.vllm_api import EngineMetrics, ProbeResult
+from vllm_guard.watchdog.base import CheckResult, Health, ReplicaReading, Sample
 from vllm_guard.watchdog.loop import Watchdog
 from vllm_guard.watchdog.trace import TraceWriter, read_trace
 from watchdog_standin import StandInRuntime
@@ -212,3 +213,47 @@ def test_alert_webhook_gets_the_incident(tmp_path: Path) -> None:
 
     asyncio.run(main())
     assert [(a["kind"], a["action"], a["data"]["catalog"]) for a in got] == [("xid_79", "hold", "reboot")]
+
+
+def test_a_hung_replica_is_restarted_alone_and_its_incident_names_it(tmp_path: Path) -> None:
+    """Two replicas; replica 1's tokens stop and its probes time out: the restart goes to
+    replica 1 only (`CommandRequest.replica`), the incident and the samples carry its index,
+    and the incident is restored once replica 1 serves a new generation."""
+    reps = [ReplicaStatus(index=i, state=RuntimeState.SERVING, generation=3 + i, backend_url=f"http://127.0.0.1:{i + 1}")
+            for i in (0, 1)]
+    rt = StandInRuntime(tmp_path, replicas=reps)
+    cfg: WatchdogConfig = section_from_table("watchdog", {"prometheus_port": 0, "kernel": "off", "hang_failures": 2,
+                                                          "progress_window": "10s", "sample_every": "1h"})
+    timeout = ProbeResult(False, 5.0, "timeout after 5.0s", timed_out=True)
+
+    async def go() -> Watchdog:
+        await rt.start()
+        wd = Watchdog(cfg, tmp_path)
+        try:
+            for t in range(40):
+                if t == 30:  # the runtime restarted replica 1: a new generation serves
+                    rt.status = rt.status.model_copy(update={"replicas": [reps[0], reps[1].model_copy(
+                        update={"generation": 9})]})
+                st = rt.status
+                probe = timeout if t in (20, 25) else None
+                s = Sample(at=f"2026-12-01T00:00:{t:02d}.000Z", t=float(t), status=st, replicas=[
+                    ReplicaReading(0, RuntimeState.SERVING, 3, "u0", float(t), EngineMetrics(generation_tokens=10.0 * t),
+                                   None, probe),
+                    ReplicaReading(1, RuntimeState.SERVING, st.replicas[1].generation, "u1", float(t),
+                                   EngineMetrics(generation_tokens=500.0), None, probe)])
+                await wd.judge(s)
+        finally:
+            await wd.close()
+            await rt.stop()
+        return wd
+
+    asyncio.run(go())
+    assert rt.received == [CommandRequest(command=Command.RESTART, reason="hang", cls=EndClass.UNPLANNED, replica=1)]
+    inc = [i for i in _incidents(tmp_path) if i["kind"] == "hang"]
+    assert [(i["replica"], i["action"]) for i in inc] == [(1, "restart:ok")] and inc[0]["restored_at"]
+    conn = sqlite3.connect(tmp_path / "ledger.sqlite")
+    rows = conn.execute("SELECT replica, data FROM samples WHERE source = 'replica' ORDER BY id").fetchall()
+    conn.close()
+    # one row per replica at the first tick (sample_every 1h) and at the tick the incident opened
+    assert [(r, json.loads(d)["hang"]) for r, d in rows] == [(0, "unknown"), (1, "unknown"), (0, "degraded"),
+                                                             (1, "unhealthy")]

@@ -19,11 +19,13 @@ from vllm_guard.core.config import ConfigError, WatchdogConfig, from_data, secti
 from vllm_guard.core.ledger import EndClass
 from vllm_guard.core.nvml import NvmlSession
 from vllm_guard.core.protocol import ChildProcess, FailureSummary, RequestCounters, Role, RuntimeState, StatusSnapshot
-from vllm_guard.core.samples import SAMPLES_SCHEMA, GpuReading, HostReading, NvmlRecord, ProcReading, StatusBrief, Tick
+from vllm_guard.core.samples import (
+    SAMPLES_SCHEMA, GpuReading, HostReading, NvmlRecord, ProcReading, ReplicaBrief, StatusBrief, Tick,
+)
 from vllm_guard.core.stats import theil_sen, time_to_exhaust
 from vllm_guard.core.vllm_api import EngineMetrics, ProbeResult
 from vllm_guard.watchdog import kernel
-from vllm_guard.watchdog.base import Action, CgroupReading, Finding, Health, Sample
+from vllm_guard.watchdog.base import Action, CgroupReading, Finding, Health, ReplicaReading, Sample
 from vllm_guard.watchdog.drift import DriftDetector
 from vllm_guard.watchdog.feed import FailureFeed
 from vllm_guard.watchdog.hang import HangDetector
@@ -193,37 +195,79 @@ def test_hang_and_exits_from_a_full_status_window() -> None:
     assert [(f.kind, f.data["detail"]) for f in o.findings] == [("child_exit", "failure 11")]
 
 
-# -- the watchdog's own probe ---------------------------------------------------------------------
-def _metrics(tokens: float) -> EngineMetrics:
-    return EngineMetrics(generation_tokens=tokens)
+# -- the watchdog's own probe of every replica (the one hang rule, core/hang.py) -------------------
+TIMEOUT = ProbeResult(False, 20.0, "timeout after 20.0s", timed_out=True)
 
 
-def test_probe_timeouts_without_progress_are_a_hang() -> None:
-    d = HangDetector(cfg_of({"hang_failures": 2}))
-    timeout = ProbeResult(False, 20.0, "timeout after 20.0s", timed_out=True)
-    assert d.check(sample(status=status(), probe=timeout, metrics=_metrics(5))).health is Health.DEGRADED
-    res = d.check(sample(status=status(generation=4), probe=timeout, metrics=_metrics(5)))
+def reading(at: float, tokens: float | None = None, cpu: float | None = None, probe: ProbeResult | None = None,
+            index: int = 0, generation: int = 4, state: RuntimeState = RuntimeState.SERVING) -> ReplicaReading:
+    """One replica at one tick: its /metrics tokens (None: silent), its API server's CPU, a probe."""
+    return ReplicaReading(index, state, generation, "http://127.0.0.1:1", at,
+                          None if tokens is None else EngineMetrics(generation_tokens=tokens), cpu, probe)
+
+
+def hang_cfg(**kw: Any) -> WatchdogConfig:
+    return cfg_of({"hang_failures": 2, "progress_window": "10s", "probe_interval": "5s", **kw})
+
+
+def tick(d: HangDetector, *replicas: ReplicaReading) -> Any:
+    return d.check(sample(status=status(), replicas=list(replicas)))
+
+
+def test_probe_timeouts_without_progress_are_a_hang_of_that_replica() -> None:
+    d = HangDetector(hang_cfg())
+    for t in range(0, 25):  # tokens frozen; a timed-out probe lands at 20 and at 24
+        res = tick(d, reading(t, 500.0, probe=TIMEOUT if t in (20, 24) else None, index=1))
     assert res.health is Health.UNHEALTHY and res.suggested_action is Action.RESTART
-    assert res.findings[0].key == "probe:4" and res.findings[0].data["handled_by"] == "watchdog"
+    f = res.findings[0]
+    assert f.key == "probe:4" and f.replica == 1 and f.data["handled_by"] == "watchdog" and f.data["verdict"] == "stalled"
+    assert f.cause.startswith("replica 1: 2 probes timed out")
 
 
 def test_probe_timeouts_while_tokens_move_are_a_busy_engine() -> None:
-    d = HangDetector(cfg_of({"hang_failures": 2}))
-    timeout = ProbeResult(False, 20.0, "timeout after 20.0s", timed_out=True)
-    for tokens in (5, 50, 500):
-        res = d.check(sample(status=status(), probe=timeout, metrics=_metrics(tokens)))
+    d = HangDetector(hang_cfg())
+    for t in range(0, 60):
+        res = tick(d, reading(t, 10.0 * t, probe=TIMEOUT if t % 5 == 0 and t >= 15 else None))
         assert not res.findings
+    assert res.health is Health.DEGRADED and "starved" in res.reason
 
 
 def test_probe_answered_401_is_degraded_never_a_hang() -> None:
-    """A wrong API key must not restart a healthy server."""
-    d = HangDetector(cfg_of({"hang_failures": 1}))
+    """A wrong API key must not restart a healthy server, even an idle one whose tokens do not move."""
+    d = HangDetector(hang_cfg(hang_failures=1))
     denied = ProbeResult(False, 0.01, "HTTP 401: {\"error\": \"Unauthorized\"}")
-    for _ in range(3):
-        res = d.check(sample(status=status(), probe=denied, metrics=_metrics(5)))
+    for t in range(0, 40):
+        res = tick(d, reading(t, 5.0, probe=denied if t % 5 == 0 else None))
         assert not res.findings and res.health is Health.DEGRADED and "HTTP 401" in res.reason
-    assert d.check(sample(status=status())).health is Health.DEGRADED  # until the next probe lands
-    assert d.check(sample(status=status(), probe=ProbeResult(True, 0.01))).health is Health.HEALTHY
+    assert tick(d, reading(41, 5.0, probe=ProbeResult(True, 0.01))).health is Health.HEALTHY
+
+
+def test_a_young_generation_is_judged_once_its_window_is_covered() -> None:
+    d = HangDetector(hang_cfg(hang_failures=1))
+    res = tick(d, reading(0, 0.0, probe=TIMEOUT))  # the first tick of a generation: nothing to judge by
+    assert not res.findings and res.health is Health.DEGRADED and "window is covered" in res.reason
+    found = [f for t in range(1, 25) for f in tick(d, reading(t, 0.0)).findings]
+    assert [f.replica for f in found] == [0]  # judged once, at 20 s: the probe waited 20 s, so the window does
+
+
+def test_each_replica_is_judged_on_its_own_and_a_new_generation_starts_clean() -> None:
+    d = HangDetector(hang_cfg())
+    found = []
+    for t in range(0, 30):
+        probe = TIMEOUT if t in (20, 25) else None
+        res = tick(d, reading(t, 10.0 * t, probe=probe, index=0), reading(t, 500.0, probe=probe, index=1))
+        found += res.findings
+    assert [f.replica for f in found] == [1] and d.misses(0) == 0
+    assert res.data["replicas"]["0"]["health"] == "degraded" and res.data["replicas"]["1"]["probe_misses"] == 2
+    res = tick(d, reading(31, 10.0, index=0), reading(31, 0.0, index=1, generation=9))  # replica 1 restarted
+    assert d.misses(1) == 0 and res.data["replicas"]["1"]["generation"] == 9
+
+
+def test_a_hung_replica_that_no_longer_serves_is_not_restarted_again() -> None:
+    d = HangDetector(hang_cfg(hang_failures=1))
+    for t in range(0, 25):
+        res = tick(d, reading(t, 500.0, probe=TIMEOUT if t == 20 else None, state=RuntimeState.STOPPING))
+    assert not res.findings and d.misses(0) == 1
 
 
 # -- statistics and drift -------------------------------------------------------------------------
@@ -442,18 +486,25 @@ def test_ledger_rows_read_back_as_typed_ticks(tmp_path: Path) -> None:
     lg = WatchdogLedger(tmp_path)
     brief = StatusBrief(state="serving", generation=2, requests_total=40, requests_generation=7, in_flight=1,
                         queued=0, failures=1)
+    per = {i: (EngineMetrics(generation_tokens=12.0 * (i + 1)),
+               ReplicaBrief(state="serving", generation=2 + i, hang="healthy")) for i in (0, 1)}
     written = lg.sample(nvml=NvmlRecord(at_s=5.0, gpus=[_gpu(temp_c=40.0, clock_reasons=0x4)]),
                         procs={42: ProcReading(role=Role.WORKER, rss_mb=1800.0)}, host=_host(),
-                        metrics=EngineMetrics(generation_tokens=12.0), status=brief, verdicts={"thermal": "healthy"})
-    rows = lg.conn.execute("SELECT at, source, data FROM samples").fetchall()
+                        status=brief, verdicts={"thermal": "healthy"}, replicas=per)
+    rows = lg.conn.execute("SELECT at, source, replica, data FROM samples").fetchall()
     meta = dict(lg.conn.execute("SELECT key, value FROM meta").fetchall())
     lg.close()
     assert json.loads(meta["watchdog.samples_schema"]) == SAMPLES_SCHEMA
-    tick = Tick.from_sources(rows[0]["at"], {r["source"]: json.loads(r["data"]) for r in rows})
+    assert sorted((r["source"], r["replica"]) for r in rows if r["replica"] is not None) == [
+        ("metrics", 0), ("metrics", 1), ("replica", 0), ("replica", 1)]
+    tick = Tick.from_rows(rows[0]["at"], [(r["source"], r["replica"], json.loads(r["data"])) for r in rows])
     assert tick == written
     assert tick.procs is not None and tick.procs["42"].role is Role.WORKER
     assert tick.status is not None and tick.status.requests_total == 40
     assert tick.nvml is not None and tick.nvml.gpus[0].clock_reasons == 0x4
+    r1 = tick.replicas["1"]
+    assert r1.replica is not None and r1.replica.generation == 3 and r1.metrics == {**EngineMetrics().to_dict(),
+                                                                                    "generation_tokens": 24.0}
 
 
 # -- NVML session ---------------------------------------------------------------------------------
@@ -502,3 +553,37 @@ def test_nvml_unavailable_is_a_failed_collector_never_ok(tmp_path: Path) -> None
     text = summary_text(s, results)
     nvml_lines = [ln for ln in text.splitlines() if "Shared Library Not Found" in ln]
     assert nvml_lines and not any(" ok" in ln or "healthy" in ln for ln in nvml_lines), text
+
+
+def test_an_older_ledger_gains_the_replica_columns_and_reads_in_the_report(tmp_path: Path) -> None:
+    """Schema 2 had no `replica` in samples and incidents: the report reads such a file as it is
+    (its rows are box-wide), and the watchdog adds the columns when it opens it (schema 3)."""
+    import sqlite3
+
+    from vllm_guard.core import ledger as L
+    from vllm_guard.report import ledgerread
+
+    db = sqlite3.connect(tmp_path / L.LEDGER_NAME)
+    db.executescript("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+                     "INSERT INTO meta VALUES ('schema_version', '2');"
+                     "CREATE TABLE samples (id INTEGER PRIMARY KEY, at TEXT NOT NULL, source TEXT NOT NULL, "
+                     "data TEXT NOT NULL);"
+                     "CREATE TABLE incidents (id INTEGER PRIMARY KEY, kind TEXT NOT NULL, cause TEXT, "
+                     "class TEXT NOT NULL, detected_at TEXT NOT NULL, action TEXT, restored_at TEXT, data TEXT);"
+                     "INSERT INTO samples (at, source, data) VALUES ('2026-11-01T00:00:00.000Z', 'metrics', "
+                     "'{\"generation_tokens\": 5.0}');"
+                     "INSERT INTO incidents (kind, class, detected_at) VALUES ('hang', 'unplanned', "
+                     "'2026-11-01T00:00:00.000Z');")
+    db.commit()
+    db.close()
+    old = ledgerread.load(tmp_path)
+    assert old.ticks is not None and old.ticks[0].metrics == {"generation_tokens": 5.0} and not old.ticks[0].replicas
+    assert old.incidents is not None and old.incidents[0].replica is None
+    lg = WatchdogLedger(tmp_path)
+    lg.sample(replicas={1: (EngineMetrics(generation_tokens=7.0), None)})
+    lg.incident("hang", "c", EndClass.UNPLANNED, "restart:ok", {}, replica=1)
+    assert lg.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == str(L.SCHEMA_VERSION)
+    lg.close()
+    new = ledgerread.load(tmp_path)
+    assert new.ticks is not None and new.ticks[-1].replicas["1"].metrics is not None
+    assert new.incidents is not None and [i.replica for i in new.incidents] == [None, 1]

@@ -44,7 +44,10 @@ def reason_of(f: Finding) -> str:
 
 
 def request_for(action: Action, f: Finding) -> CommandRequest:
-    return CommandRequest(command=COMMANDS[action], reason=reason_of(f), cls=CLASSES.get(action))
+    """The command for a finding: a recycle or restart goes to the finding's replica (None: all,
+    rolling); a hold holds the whole runtime."""
+    replica = f.replica if action in (Action.RECYCLE, Action.RESTART) else None
+    return CommandRequest(command=COMMANDS[action], reason=reason_of(f), cls=CLASSES.get(action), replica=replica)
 
 
 async def act(state_dir: str | Path, action: Action, f: Finding, timeout: float = 10.0) -> Outcome:

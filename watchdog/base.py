@@ -7,9 +7,9 @@ detector wants recorded (kind, key, cause, class) and the action it suggests; th
 decides whether that action is actually taken.
 
 A `Sample` is one tick of every source, each typed by the core model its producer speaks
-(the runtime's StatusSnapshot, NVML's NvmlRecord, psutil's ProcReading/HostReading, vLLM's
-EngineMetrics, the probe's ProbeResult); a source that failed this tick is None and its
-collector says why.
+(the runtime's StatusSnapshot, NVML's NvmlRecord, psutil's ProcReading/HostReading, and per
+replica vLLM's EngineMetrics, its API server's CPU time and the probe's ProbeResult); a source
+that failed this tick is None and its collector says why.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vllm_guard.core.ledger import EndClass
-from vllm_guard.core.protocol import StatusSnapshot
+from vllm_guard.core.protocol import RuntimeState, StatusSnapshot
 from vllm_guard.core.samples import HostReading, NvmlRecord, ProcReading
 from vllm_guard.core.vllm_api import EngineMetrics, ProbeResult
 
@@ -47,7 +47,8 @@ ACTION_ORDER = (Action.NONE, Action.ALERT, Action.RECYCLE, Action.RESTART, Actio
 
 @dataclass(frozen=True)
 class Finding:
-    """One thing worth an incident: `key` tells repeats of the same problem apart."""
+    """One thing worth an incident: `key` tells repeats of the same problem apart; `replica`
+    the replica it is about (its actions go to that replica), None: the box or the runtime."""
 
     kind: str
     key: str
@@ -55,6 +56,7 @@ class Finding:
     cls: EndClass
     action: Action = Action.NONE
     data: dict[str, Any] = field(default_factory=dict)
+    replica: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,28 @@ class CgroupReading:
         return cls(d["version"], d["oom_kill"], d["file"])
 
 
+@dataclass(frozen=True)
+class ReplicaReading:
+    """One replica at one tick: what the runtime says of it and what the watchdog read of it.
+    `at` is the monotonic time of the readings (the hang window's clock)."""
+
+    index: int
+    state: RuntimeState
+    generation: int
+    url: str | None  # its backend (None: not reachable in its state)
+    at: float
+    metrics: EngineMetrics | None = None  # None: /metrics did not answer, or no backend
+    cpu_s: float | None = None  # CPU seconds its API server has used; None: unknown
+    probe: ProbeResult | None = None  # a probe of this generation that finished since the last tick
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "state": self.state.value, "generation": self.generation, "url": self.url,
+                "metrics": self.metrics.to_dict() if self.metrics is not None else None, "cpu_s": self.cpu_s,
+                "probe": {"ok": self.probe.ok, "latency_s": round(self.probe.latency_s, 3),
+                          "error": self.probe.error or None, "timed_out": self.probe.timed_out}
+                if self.probe is not None else None}
+
+
 @dataclass
 class Sample:
     """One tick of every source (None: that source failed or does not apply; see collectors)."""
@@ -105,13 +129,12 @@ class Sample:
     nvml: NvmlRecord | None = None
     procs: dict[int, ProcReading] | None = None
     host: HostReading | None = None
-    metrics: EngineMetrics | None = None
+    replicas: list[ReplicaReading] = field(default_factory=list)  # every replica the status lists
     cgroup: CgroupReading | None = None
     kernel_events: list[KernelEvent] = field(default_factory=list)
     kernel_source: str = ""  # kmsg | journal | replay; "" when off or unavailable
     service_cgroup: str | None = None
     child_log: list[str] = field(default_factory=list)
-    probe: ProbeResult | None = None
     nvml_mismatch: bool = False
     collectors: dict[str, Collected] = field(default_factory=dict)
 
@@ -128,13 +151,11 @@ class Sample:
             "procs": {str(pid): p.model_dump(mode="json") for pid, p in self.procs.items()}
             if self.procs is not None else None,
             "host": self.host.model_dump(mode="json") if self.host is not None else None,
-            "metrics": self.metrics.to_dict() if self.metrics is not None else None,
+            "replicas": [r.to_json() for r in self.replicas],
             "cgroup": vars(self.cgroup) if self.cgroup is not None else None,
             "kernel_events": [e.to_json() for e in self.kernel_events], "kernel_source": self.kernel_source,
             "service_cgroup": self.service_cgroup,
             "child_log_lines": len(self.child_log),
-            "probe": {"ok": self.probe.ok, "latency_s": round(self.probe.latency_s, 3),
-                      "error": self.probe.error or None} if self.probe is not None else None,
             "nvml_mismatch": self.nvml_mismatch,
             "collectors": {k: {"ok": c.ok, "seconds": c.seconds, "error": c.error}
                            for k, c in self.collectors.items()},

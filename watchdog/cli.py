@@ -16,7 +16,7 @@ FLAGS = ("interval", "nvml_trace", "kernel", "prometheus_port")
 def add_commands(sub: Any) -> dict[str, Any]:
     w = sub.add_parser("watchdog", help="watch GPU, host and server; recycle before OOM; record incidents")
     w.add_argument("--config", help="guard.toml: every section is validated; [watchdog] settings, [server] "
-                                    "state_dir and the API key, [install] env and gpus (the service's GPUs)")
+                                    "state_dir, the API key and gpus (the service's GPUs), [install] env")
     w.add_argument("--state-dir", default=None, help="the runtime's state dir (admin socket, ledger)")
     w.add_argument("--dry-run", action="store_true", help="decide and record, never act")
     w.add_argument("--once", action="store_true", help="one tick, print one line per detector, exit")
@@ -33,8 +33,9 @@ def add_commands(sub: Any) -> dict[str, Any]:
 class Settings:
     guard: GuardConfig
     state_dir: str
-    env: dict[str, str]  # the service's environment: GPU selection, API key
+    env: dict[str, str]  # the service's environment: GPU visibility, API key
     api_key: str | None
+    gpus: tuple[str, ...] = ()  # [server] gpus: the GPUs the service's replicas use
 
     @property
     def watchdog(self) -> WatchdogConfig:
@@ -57,7 +58,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
     state_dir, _ = paths.resolve_state_dir(args.state_dir, args.config)
     env = {**os.environ, **gc.install.environment()} if args.config else dict(os.environ)
     key = vllm_api.api_key(gc.server.vllm_args if args.config else [], env)
-    return Settings(gc, state_dir, env, key)
+    return Settings(gc, state_dir, env, key, tuple(gc.server.gpus) if args.config else ())
 
 
 def cmd_watchdog(args: argparse.Namespace, _: list[str]) -> int:
@@ -84,7 +85,7 @@ async def _main(st: Settings, once: bool, as_json: bool) -> int:
 
     log = structlog.get_logger("vllm_guard.watchdog")
     cfg = st.watchdog
-    wd = Watchdog(cfg, st.state_dir, exporter=not once, env=st.env, api_key=st.api_key)
+    wd = Watchdog(cfg, st.state_dir, exporter=not once, env=st.env, api_key=st.api_key, gpus=st.gpus)
     names = wd.nvml.names()
     profile = apply_profile(cfg, st.guard.explicit.get("watchdog", set()), names[0] if names else "")
     wd.ledger.set_meta({"gpu_profile": profile, "gpu_budget_mb": cfg.gpu_budget_mb, "gpu_names": names})

@@ -1,11 +1,10 @@
 """Memory drift: Theil-Sen slope of each service process's memory against requests and time.
 
 Per process (vLLM preallocates KV, so totals stay flat: look per pid) and per memory kind
-(host RSS from psutil, GPU from NVML's per-process list). Points start after a warm-up of
-requests; a slope counts only when its confidence interval clears the noise floor, in the
-whole window and in each half of it (a step is not a leak); then
-time-to-OOM = headroom / slope in time, and a forecast inside the horizon asks for a
-preventive recycle. Requests are the runtime's `requests.total` (status), which never counts probes.
+(host RSS from psutil, GPU from NVML's per-process list). Points start after the warm-up, and
+a slope is a leak by the project's one rule (`core.leak`: its interval clears the noise floor in
+the whole window and in each half of it; a step is not a leak); then time-to-OOM = headroom /
+slope in time, and a forecast inside the horizon asks for a preventive recycle. Requests are the runtime's `requests.total` (status), which never counts probes.
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ from typing import Any
 
 from vllm_guard.core.config import WatchdogConfig
 from vllm_guard.core.ledger import EndClass
-from vllm_guard.core.stats import theil_sen, time_to_exhaust
+from vllm_guard.core import leak
+from vllm_guard.core.stats import time_to_exhaust
 
 from .base import Action, CheckResult, Finding, Health, Sample, result
 
@@ -81,7 +81,7 @@ class DriftDetector:
         warming = False
         for key, (role, mb) in readings.items():
             ser = self.series.setdefault(key, Series(role, requests))
-            if requests - ser.start_requests < self.cfg.warmup_requests:
+            if not leak.warmed_up(requests - ser.start_requests, self.cfg.warmup_requests):
                 warming = True
                 continue
             ser.pts.append((requests, s.t, mb))
@@ -106,29 +106,23 @@ class DriftDetector:
         reqs = [p[0] for p in ser.pts]
         if len(ser.pts) < self.cfg.drift_min_points or max(reqs) - min(reqs) < self.cfg.drift_min_requests:
             return None
-        by_req = theil_sen(reqs, [p[2] for p in ser.pts])
-        by_time = theil_sen([p[1] for p in ser.pts], [p[2] for p in ser.pts])
-        if by_req is None:
+        v = leak.judge([leak.Series([p[1] for p in ser.pts], reqs, [p[2] for p in ser.pts])],
+                       self.cfg.noise_floor_mb_per_100, self.cfg.drift_min_requests, self.cfg.drift_min_points)
+        if v.per_100 is None:
             return None
         memory, pid = key
         headroom = self._headroom(s, memory)
-        # Sustained: each half of the window alone must clear the floor too. A leak is steady;
-        # a step (an allocator pool, a new batch shape) sits in one half, the other stays flat.
-        half = len(ser.pts) // 2
-        mem = [p[2] for p in ser.pts]
-        halves = [theil_sen(reqs[:half], mem[:half]), theil_sen(reqs[half:], mem[half:])]
-        floor = self.cfg.noise_floor_mb_per_100
-        significant = by_req.low * 100 > floor and all(h is not None and h.low * 100 > floor for h in halves)
-        per_s = by_time.slope if by_time is not None else 0.0
-        tto = time_to_exhaust(headroom, per_s) if significant and headroom is not None else None
-        rto = time_to_exhaust(headroom, by_req.slope) if significant and headroom is not None else None
+        tto_h = v.time_to_oom_h(headroom)
+        rto = (time_to_exhaust(headroom, v.per_100.slope / 100.0)
+               if v.shown and headroom is not None else None)
         return {"memory": memory, "pid": pid, "role": ser.role, "points": len(ser.pts),
                 "requests_span": max(reqs) - min(reqs), "requests": reqs[-1],
-                "slope_mb_per_100": round(by_req.slope * 100, 4),
-                "ci_mb_per_100": [round(by_req.low * 100, 4), round(by_req.high * 100, 4)],
-                "halves_mb_per_100": [None if h is None else round(h.slope * 100, 4) for h in halves],
-                "slope_mb_per_h": round(per_s * 3600, 2), "headroom_mb": headroom,
-                "significant": significant, "time_to_oom_s": None if tto is None else round(tto, 1),
+                "slope_mb_per_100": round(v.per_100.slope, 4),
+                "ci_mb_per_100": [round(v.per_100.low, 4), round(v.per_100.high, 4)],
+                "halves_mb_per_100": [None if h is None else round(h.slope, 4) for h in v.halves],
+                "slope_mb_per_h": round(v.per_hour.slope, 2) if v.per_hour is not None else 0.0,
+                "headroom_mb": headroom,
+                "significant": v.shown, "time_to_oom_s": None if tto_h is None else round(tto_h * 3600, 1),
                 "requests_to_oom": None if rto is None else round(rto)}
 
     def _findings(self, key: tuple[str, int], v: dict[str, Any]) -> list[Finding]:

@@ -50,6 +50,8 @@ class Exporter:
         self.collector_s = Gauge("vllm_guard_collector_duration_seconds", "last collection time", ["collector"],
                                  registry=r)
         self.escalated = Gauge("vllm_guard_escalated", "1 when the rate limit stopped all actions", registry=r)
+        self.probe_misses = Gauge("vllm_guard_probe_misses", "the watchdog's timed-out probes in a row with no "
+                                  "engine progress, per replica", ["replica"], registry=r)
         self._series: set[tuple[str, str, str]] = set()
         self.mtbf.set(math.nan)
         self.availability.set(math.nan)
@@ -62,6 +64,9 @@ class Exporter:
             self.health.labels(res.name).set(HEALTH_VALUE.get(res.health, 0))
             if res.name == "memory_drift" and "series" in res.data:
                 self._drift(res.data["series"])
+            elif res.name == "hang" and "replicas" in res.data:
+                for i, rep in res.data["replicas"].items():
+                    self.probe_misses.labels(i).set(rep["probe_misses"])
             elif res.name == "thermal" and "gpus" in res.data:
                 for g in res.data["gpus"]:
                     self.throttle.labels(g["uuid"]).set(g["throttle_share"])

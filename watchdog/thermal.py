@@ -11,7 +11,6 @@ window at least half covered. Idle samples do not count toward clock drop.
 from __future__ import annotations
 
 import collections
-import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,8 +83,8 @@ class ThermalDetector:
 
     def _judge(self, g: GpuReading, w: collections.deque[Point]) -> dict[str, Any]:
         span = w[-1].t - w[0].t if len(w) > 1 else 0.0
-        busy = [x.sm_mhz / x.max_mhz for x in w if x.sm_mhz and x.max_mhz and not gpu.idle(x.reasons)]
-        drop = round((1 - statistics.fmean(busy)) * 100, 1) if busy else None
+        pct = gpu.clock_drop_pct((x.sm_mhz, x.max_mhz, x.reasons) for x in w)
+        drop = None if pct is None else round(pct, 1)
         margin = None if g.temp_c is None or g.temp_slowdown_c is None else g.temp_slowdown_c - g.temp_c
         return {"uuid": g.uuid, "name": g.name, "samples": len(w), "window_s": round(span, 1),
                 "covered": span >= self.cfg.thermal_window / 2,

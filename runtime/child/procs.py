@@ -1,0 +1,194 @@
+"""Processes of a vLLM generation: the tree and its roles, liveness, reaping, orphans.
+
+Every function here reads /proc and may take milliseconds (a process-tree walk lists every
+process on the box): the supervisor calls them through `asyncio.to_thread`, never on its loop.
+
+The runtime is a child subreaper (PR_SET_CHILD_SUBREAPER), so an EngineCore orphaned by a dying
+API server is reparented to it; `Reaper` collects such grandchildren, which may die after
+their generation was stopped. A runtime that was killed cannot stop its vLLM; the next one finds
+the tree through the ledger (pid and process start time of each open generation) and kills it
+(`kill_recorded_tree`), after checking the start time so a reused pid is never touched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from typing import Iterable
+
+import psutil
+
+from vllm_guard.core.protocol import ChildProcess, Role
+
+_PR_SET_CHILD_SUBREAPER = 36
+START_TIME_TOLERANCE_S = 0.05
+
+
+def become_subreaper() -> bool:
+    """Orphaned grandchildren are reparented to this process (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def role_of(proc: psutil.Process, root_pid: int) -> Role:
+    if proc.pid == root_pid:
+        return Role.API_SERVER
+    try:
+        name = proc.name() + " " + " ".join(proc.cmdline()[:1])
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return Role.WORKER
+    if "EngineCore" in name:
+        return Role.ENGINE_CORE
+    if "Worker" in name:
+        return Role.WORKER
+    return Role.HELPER  # e.g. multiprocessing's resource tracker: stopped with the rest, not listed
+
+
+def tree(root_pid: int) -> list[ChildProcess]:
+    """Every live (non-zombie) process under `root_pid`, itself included, with its role."""
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+    out = []
+    for p in procs:
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        out.append(ChildProcess(pid=p.pid, role=role_of(p, root_pid)))
+    return out
+
+
+def group_members(pgid: int) -> set[int]:
+    out = set()
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.add(p.pid)
+        except OSError:
+            continue
+    return out
+
+
+def alive(pids: Iterable[int], pgid: int | None = None) -> list[int]:
+    """Which of `pids` (and of process group `pgid`) still exist, zombies excluded."""
+    candidates = set(pids) | (group_members(pgid) if pgid else set())
+    out = []
+    for pid in candidates:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return sorted(out)
+
+
+def dead(pids: Iterable[int]) -> int | None:
+    """The first of `pids` that is gone or a zombie, else None."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.NoSuchProcess:
+            pass
+        return pid
+    return None
+
+
+def signal_pids(pids: Iterable[int], sig: int, pgid: int | None = None) -> None:
+    """Signal a process group and every pid given (never this process)."""
+    if pgid:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    me = os.getpid()
+    for pid in pids:
+        if pid == me:
+            continue
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def reap(pids: Iterable[int]) -> list[int]:
+    """Collect the exit status of those of `pids` that are our (subreaper) children and done."""
+    done = []
+    for pid in pids:
+        try:
+            got, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        if got:
+            done.append(pid)
+    return done
+
+
+def start_time(pid: int) -> float | None:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+class Reaper:
+    """Pids of stopped generations that may still die and reach us as orphans: reaped for a
+    while so no zombie outlives its generation."""
+
+    def __init__(self, give_up_s: float = 60.0) -> None:
+        self.give_up_s = give_up_s
+        self.later: dict[int, float] = {}  # pid -> since when (monotonic)
+
+    def add(self, pids: Iterable[int], now: float) -> None:
+        for pid in pids:
+            self.later.setdefault(pid, now)
+
+    def poll(self, now: float) -> None:
+        """Blocking (/proc): call through asyncio.to_thread."""
+        for pid, since in list(self.later.items()):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not (yet) our child: gone, or still with its parent
+                done = 0 if psutil.pid_exists(pid) and now - since < self.give_up_s else pid
+            if done:
+                self.later.pop(pid, None)
+
+
+def kill_recorded_tree(pid: int, started: float | None, timeout: float = 10.0) -> list[int]:
+    """Kill the vLLM tree of a generation whose runtime died (its API server led its own process
+    group). Only when `pid` still is that process (same start time). Returns the pids killed."""
+    if started is None:
+        return []
+    now_started = start_time(pid)
+    if now_started is None:
+        # The API server is gone (its parent-death signal), its EngineCore and workers may not
+        # be: the rest of its process group, every member started after it (a group id is not
+        # reused while the group has members, so those are its own).
+        members = {p for p in group_members(pid) if (t := start_time(p)) is not None
+                   and t >= started - START_TIME_TOLERANCE_S}
+        if not members:
+            return []
+    elif abs(now_started - started) > START_TIME_TOLERANCE_S:
+        return []  # the pid was reused by something else
+    else:
+        try:
+            members = {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
+        except psutil.NoSuchProcess:
+            members = {pid}
+        members |= group_members(pid)
+    signal_pids(members, signal.SIGKILL, pgid=pid)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and alive(members):
+        reap(members)
+        time.sleep(0.05)
+    reap(members)
+    return sorted(members)

@@ -1,0 +1,1 @@
+"""The public port: the streaming proxy, where a request goes, what is forwarded, the connection cap."""

@@ -1,0 +1,1 @@
+"""The runtime's records: its ledger writer, status, metrics and admin socket."""

@@ -1,0 +1,1 @@
+"""One replica: its state machine, what it decides from (triggers, strategy, hang), its monitors."""

@@ -1,0 +1,789 @@
+"""The one place that decides what a replica does: `decide(view, event, now) -> Decision`.
+
+Pure: a typed, immutable view (`view.ReplicaView`: the machine, the facts the monitors cached,
+the runtime around it) and an event (a tick, a command) in; the next machine and the effects
+for the driver out. Nothing here reads a clock, a process, a file or NVML, so every path — each
+strategy start to end, a successor that dies or is late, a crash in any state, a command in any
+state — is tested in milliseconds (tests/test_replica_machine.py).
+
+Rules kept here, and only here:
+- a recycle begins only when the rolling rule allows (no other replica busy or down), else the
+  replica waits its turn (WAITING_TURN) serving past its limit;
+- the strategy is chosen per recycle from the serving generation's readings (`strategy.choose`);
+- a successor's wait is bounded by the trigger's urgency: a memory trigger gives it half the
+  forecast time to the memory limit, a request limit lets the old generation take at most
+  `[recycle] max_requests_overrun` of its limit more; past that, the old generation drains anyway
+  and the successor takes over when it is ready (overlap) or when its gate opens (gated) — it is
+  never thrown away for being late;
+- any unexpected end of the serving generation (exit 0 included) is a failure: it is killed, and
+  a successor already starting takes over; else the replica backs off;
+- a cold or gated stop of the only serving replica is announced (`unready_lead`) so a balancer
+  moves traffic before the gap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from vllm_guard.core.errors import EXIT_BOOT_ERROR
+from vllm_guard.core.ledger import EndClass, FailureKind
+from vllm_guard.core.protocol import RuntimeState
+
+from . import triggers
+from .machine import COARSE, Machine, Recycle, State, Wanted
+from .strategy import MemoryFit, Strategy, choose, gated_fits
+from .view import (
+    Abandon, Decision, Drain, Effect, Event, Extend, ExitAll, Failure, Finish, GenPhase, GenView, GiveUp, GoLive,
+    HoldCmd, LearnGate, LearnStandby, LearnStart, Leaving, OpenGate, PastLimit, Promote, RecycleBegan, RecycleCmd, RecycleMark,
+    RecycleNote, RecycleReady, ReleaseCmd, ReplicaView, Reply, RestartCmd, Slot, Spawn, SpawnFailed, Stop, StopCmd,
+    Tick, log,
+)
+
+S = State
+KILL_WAIT_S = 10.0  # after SIGKILL, how long a generation's processes get to disappear
+EXTEND_EVERY_S = 10.0
+URGENCY_SHARE = 0.5  # a memory-triggered recycle gives its successor this share of the time left
+STANDBY_TRIES = 3  # standbys in a row that die or cannot park before the replica stops keeping one
+
+SERVING_STATES = frozenset({S.SERVING, S.STANDBY, S.WAITING_TURN, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY})
+RECYCLABLE = frozenset({S.SERVING, S.STANDBY})
+BOOTING_STATES = frozenset({S.STARTING, S.PAST_GATE})
+# The runtime states in which a hard restart applies (the watchdog asks the same question).
+RESTARTABLE = frozenset({RuntimeState.SERVING, RuntimeState.STARTING, RuntimeState.DRAINING})
+
+
+class _Out:
+    """The decision being built: the machine so far and the effects in order."""
+
+    def __init__(self, m: Machine) -> None:
+        self.m = m
+        self.fx: list[Effect] = []
+
+    def add(self, *effects: Effect) -> _Out:
+        self.fx.extend(effects)
+        return self
+
+    def to(self, state: State, now: float, timeout: float | None = None, **changes: object) -> _Out:
+        self.m = self.m.to(state, now, timeout, **changes)
+        return self
+
+    def set(self, **changes: object) -> _Out:
+        self.m = replace(self.m, **changes)  # type: ignore[arg-type]
+        return self
+
+    def done(self) -> Decision:
+        return Decision(self.m, tuple(self.fx))
+
+
+def decide(v: ReplicaView, event: Event, now: float) -> Decision:
+    """What the replica does on `event`, seen as `v`, at monotonic time `now`."""
+    out = _Out(v.machine)
+    if isinstance(event, Tick) and not v.machine.entered:  # the replica's first look
+        if v.facts.stopping:
+            out.to(S.EXITING, now)
+        elif v.facts.hold is not None:
+            out.to(S.HELD, now)
+        else:
+            _start_cold(v, now, out, None)
+    elif isinstance(event, Tick):
+        _retiring(v, now, out)
+        _tick(v, now, out)
+    elif isinstance(event, RecycleCmd):
+        _recycle_cmd(v, event, now, out)
+    elif isinstance(event, RestartCmd):
+        _restart_cmd(v, event, now, out)
+    elif isinstance(event, HoldCmd):
+        _hold_cmd(v, now, out)
+    elif isinstance(event, ReleaseCmd):
+        _release_cmd(v, now, out)
+    elif isinstance(event, StopCmd):
+        _stop_cmd(v, event, now, out)
+    elif isinstance(event, SpawnFailed):
+        # the interpreter cannot even be run: the runtime exits (it stops every replica)
+        out.add(log("backend_launch_failed", "error", replica=v.facts.index, error=event.error),
+                ExitAll(EXIT_BOOT_ERROR))
+        if out.m.state is not S.EXITING and out.m.can(S.EXITING):
+            out.to(S.EXITING, now)
+    return out.done()
+
+
+# -- ticks -------------------------------------------------------------------------------------
+def _tick(v: ReplicaView, now: float, out: _Out) -> None:
+    st = v.machine.state
+    if st in BOOTING_STATES:
+        _booting(v, now, out)
+    elif st in SERVING_STATES:
+        _serving(v, now, out)
+    elif st is S.DRAINING:
+        _draining(v, now, out)
+    elif st is S.STOPPING:
+        _stopping(v, now, out)
+    elif st is S.OPENING_GATE:
+        _opening_gate(v, now, out)
+    elif st is S.FAILING:
+        _failing(v, now, out)
+    elif st is S.BACKOFF:
+        if v.facts.hold is not None:
+            out.to(S.HELD, now)
+        elif v.machine.overdue(now):
+            _start_cold(v, now, out, None)
+
+
+def _booting(v: ReplicaView, now: float, out: _Out) -> None:
+    cur, cfg = v.current, v.facts.cfg
+    if cur is None:
+        return
+    if cur.ready_at is not None:
+        rec = v.machine.recycle
+        out.add(GoLive(past_limit=cfg.server.recycle_strategy != Strategy.COLD.value))
+        if not cur.gated:  # a gated start waited at its gate: its length says nothing of starving
+            out.add(LearnStart(beside=cur.beside, seconds=round(cur.ready_at - cur.spawned_at, 1)))
+        if rec is not None:
+            out.add(RecycleReady(cur.number, round(now - rec.started_at, 3),
+                                 round(now - rec.closed_at, 3) if rec.closed_at is not None else 0.0))
+        out.to(S.SERVING, now, recycle=None, consecutive=0)
+    elif cur.exit_code is not None:
+        _fail(v, now, out, FailureKind.START_FAILED.value, cur.exit_code, f"exited with {cur.exit_code} while loading",
+              from_log=True)
+    elif v.machine.overdue(now):
+        _fail(v, now, out, FailureKind.START_TIMEOUT.value, None,
+              f"not ready after {cfg.server.startup_timeout:.0f}s")
+    elif not v.facts.ready_sent and now - v.facts.extend_sent_at >= EXTEND_EVERY_S:
+        out.add(Extend())  # the first model load may outlast TimeoutStartSec
+
+
+def _current_failed(v: ReplicaView) -> tuple[str, int | None, str] | None:
+    cur = v.current
+    if cur is None:
+        return None
+    if cur.exit_code is not None:
+        return FailureKind.CRASH.value, cur.exit_code, f"backend exited with {cur.exit_code}"
+    if cur.engine_dead is not None:
+        return FailureKind.CRASH.value, None, f"engine process {cur.engine_dead} died"
+    if cur.hang is not None:
+        return FailureKind.HANG.value, None, cur.hang
+    return None
+
+
+def _serving(v: ReplicaView, now: float, out: _Out) -> None:
+    failed = _current_failed(v)
+    if failed is not None:
+        _fail(v, now, out, *failed)
+        return
+    st = v.machine.state
+    if st is S.SERVING:
+        if v.facts.hold is None and not v.facts.stopping:
+            t = _trigger(v, now)
+            if t is not None:
+                _begin_or_wait(v, now, out, t.reason, t.cls, None)
+            elif _standby_wanted(v):
+                out.add(Spawn(Slot.SUCCESSOR, gated=True, strategy="standby", standby=True),
+                        log("standby_starting", replica=v.facts.index, generation=_n(v.current)))
+                out.to(S.STANDBY, now)
+    elif st is S.STANDBY:
+        _standby(v, now, out)
+    elif st is S.WAITING_TURN:
+        _waiting_turn(v, now, out)
+    elif st is S.OVERLAP_STARTING:
+        _overlap_starting(v, now, out)
+    elif st is S.GATED_PARKING:
+        _gated_parking(v, now, out)
+    elif st is S.UNREADY:
+        _unready(v, now, out)
+
+
+def _standby_wanted(v: ReplicaView) -> bool:
+    """Keep a parked next generation: on (`[server] standby = auto`), a vLLM that can park, not
+    too many lost in a row, and host RAM for it beside the serving one."""
+    f, cur = v.facts, v.current
+    if f.cfg.server.standby != "auto" or f.gate_unavailable or f.standby_failures >= STANDBY_TRIES:
+        return False
+    if cur is None or cur.fit is None:
+        return False  # no memory reading of the serving generation yet
+    return gated_fits(cur.fit)[0]
+
+
+def _standby(v: ReplicaView, now: float, out: _Out) -> None:
+    """Serving, with a standby beside it: watch the standby; a trigger's recycle uses it."""
+    nxt, f = v.successor, v.facts
+    if nxt is None:
+        out.to(S.SERVING, now)
+        return
+    lost = None
+    if nxt.exit_code is not None:
+        lost = f"exited with {nxt.exit_code} before it was needed"
+    elif nxt.gate == "skipped":
+        out.add(LearnGate(nxt.gate_reason))
+        lost = f"cannot park at the gate: {nxt.gate_reason}"
+    elif nxt.gate is None and now - nxt.spawned_at > f.cfg.server.gate_timeout:
+        lost = f"did not reach its startup gate within {f.cfg.server.gate_timeout:.0f}s"
+    if lost is not None:
+        out.add(Abandon(f"standby {lost}"), LearnStandby(failed=True),
+                log("standby_lost", "warning", replica=f.index, generation=nxt.number, why=lost))
+        out.to(S.SERVING, now)
+        return
+    if nxt.gate == "parked" and f.standby_failures:
+        out.add(LearnStandby(failed=False))
+    if f.hold is None and not f.stopping:
+        t = _trigger(v, now)
+        if t is not None:
+            _begin_or_wait(v, now, out, t.reason, t.cls, None)
+
+
+def _trigger(v: ReplicaView, now: float) -> triggers.Trigger | None:
+    cur = v.current
+    if cur is None or cur.ready_at is None:
+        return None
+    r = triggers.Readings(ready_at=cur.ready_at, requests=cur.requests, limit=cur.limit,
+                          idle_for=min(cur.idle_for, now - cur.ready_at), growth=cur.growth)
+    return triggers.recycle_trigger(v.facts.cfg.recycle, r, now)
+
+
+def _waiting_turn(v: ReplicaView, now: float, out: _Out) -> None:
+    wanted = v.machine.wanted
+    assert wanted is not None
+    t = _trigger(v, now)
+    if t is not None and t.cls is EndClass.PREVENTIVE and wanted.cls is not EndClass.PREVENTIVE:
+        wanted = Wanted(t.reason, t.cls, wanted.strategy)  # a leak caught while waiting is what it is
+    why = v.facts.others_why
+    if why is None:
+        out.set(wanted=None, deferred=None)
+        _begin(v, now, out, wanted.reason, wanted.cls, wanted.strategy)
+    elif why != v.machine.deferred or wanted != v.machine.wanted:
+        out.set(deferred=why, wanted=wanted)
+        out.add(log("recycle_deferred", replica=v.facts.index, reason=wanted.reason, why=why))
+
+
+def _late(v: ReplicaView, now: float) -> str | None:
+    """Why the successor may not be waited for any longer (the trigger's urgency), or None."""
+    rec, cur = v.machine.recycle, v.current
+    if rec is None or cur is None:
+        return None
+    if rec.successor_deadline is not None and now >= rec.successor_deadline:
+        return (f"its successor was not ready {now - rec.started_at:.0f} s after the recycle began, "
+                f"half the time its memory forecast left")
+    over = v.facts.cfg.recycle.max_requests_overrun
+    if rec.reason == triggers.MAX_REQUESTS and cur.limit and cur.requests >= cur.limit * (1.0 + over):
+        return (f"it took {cur.requests} requests against its limit of {cur.limit} while its successor started "
+                f"([recycle] max_requests_overrun {over:g})")
+    return None
+
+
+def _since(v: ReplicaView, nxt: GenView) -> float:
+    """When the successor's wait began: its spawn, or the recycle's start for a standby."""
+    rec = v.machine.recycle
+    return max(nxt.spawned_at, rec.started_at) if rec is not None else nxt.spawned_at
+
+
+def _past_gate(g: GenView) -> bool:
+    """A successor that boots on by itself: ungated, or its gate already opened."""
+    return not g.gated or g.gate == "opened"
+
+
+def _overlap_starting(v: ReplicaView, now: float, out: _Out) -> None:
+    nxt, cfg = v.successor, v.facts.cfg
+    if nxt is None:
+        return
+    if nxt.ready_at is not None:
+        _switch(v, now, out)
+    elif nxt.exit_code is not None:
+        _successor_failed(v, now, out, FailureKind.START_FAILED.value, nxt.exit_code,
+                          f"exited with {nxt.exit_code} while starting beside generation {_n(v.current)}", True)
+    elif now - _since(v, nxt) > cfg.server.startup_timeout:
+        _successor_failed(v, now, out, FailureKind.START_TIMEOUT.value, None,
+                          f"not ready after {cfg.server.startup_timeout:.0f}s while starting beside generation "
+                          f"{_n(v.current)}", False)
+    elif (why := _late(v, now)) is not None:
+        _handover(v, now, out, why)
+
+
+def _gated_parking(v: ReplicaView, now: float, out: _Out) -> None:
+    nxt, cfg = v.successor, v.facts.cfg
+    if nxt is None:
+        return
+    if nxt.gate == "parked":
+        out.add(log("generation_parked", generation=nxt.number, replica=v.facts.index,
+                    parked_after_s=round(now - nxt.spawned_at, 1)))
+        _unready_or_drain(v, now, out, urgent=False)
+    elif nxt.gate == "skipped":
+        out.add(LearnGate(nxt.gate_reason),
+                log("gate_unavailable", "warning", generation=nxt.number, replica=v.facts.index,
+                    reason=nxt.gate_reason))
+        _fallback_cold(v, now, out, f"gated pre-start unavailable: {nxt.gate_reason}")
+    elif nxt.exit_code is not None:
+        _successor_failed(v, now, out, FailureKind.START_FAILED.value, nxt.exit_code,
+                          f"exited with {nxt.exit_code} before reaching its startup gate"
+                          + (f" ({nxt.gate}: {nxt.gate_reason})" if nxt.gate else ""), True)
+    elif now - _since(v, nxt) > cfg.server.gate_timeout:
+        _successor_failed(v, now, out, FailureKind.START_FAILED.value, None,
+                          f"did not reach its startup gate within {cfg.server.gate_timeout:.0f}s", False)
+    elif (why := _late(v, now)) is not None:
+        _handover(v, now, out, why)
+
+
+def _unready(v: ReplicaView, now: float, out: _Out) -> None:
+    nxt = v.successor
+    if nxt is not None and _past_gate(nxt) and nxt.ready_at is not None:
+        out.add(Leaving(False))
+        _switch(v, now, out)  # a late overlap successor made it before the old one stopped
+        return
+    if nxt is not None and _successor_lost(v, now, out):
+        return
+    if v.machine.overdue(now):
+        _drain_current(v, now, out)
+
+
+def _draining(v: ReplicaView, now: float, out: _Out) -> None:
+    cur, cfg = v.current, v.facts.cfg
+    if cur is None:
+        return
+    nxt = v.successor
+    if nxt is not None and _past_gate(nxt) and nxt.ready_at is not None and not v.facts.stopping:
+        _switch(v, now, out)  # a late overlap successor made it: it serves, the old one drains behind it
+        return
+    if nxt is not None and _successor_lost(v, now, out):
+        return
+    if cur.died:
+        _fail(v, now, out, FailureKind.CRASH.value, cur.exit_code, "backend died while draining")
+    elif cur.in_flight == 0 or now > (cur.deadline or now):
+        if cur.in_flight:
+            out.add(log("drain_timeout", "warning", generation=cur.number, replica=v.facts.index,
+                        in_flight=cur.in_flight))
+        elif v.machine.recycle is not None:
+            out.add(RecycleMark("drained"))
+        out.add(Stop(cur.number, kill=False, deadline=now + cfg.server.stop_timeout))
+        out.to(S.STOPPING, now, _stop_span(v, kill=False))
+
+
+def _stopping(v: ReplicaView, now: float, out: _Out) -> None:
+    cur = v.current
+    if v.successor is not None and _successor_lost(v, now, out):
+        return
+    if cur is None or _ladder_step(v, cur, now, out):
+        if v.machine.recycle is not None:
+            out.add(RecycleMark("stopped"))
+        _after_stop(v, now, out)
+
+
+def _after_stop(v: ReplicaView, now: float, out: _Out) -> None:
+    """`current` is gone after a planned stop: what next."""
+    f, nxt = v.facts, v.successor
+    if f.stopping or f.hold is not None:
+        if nxt is not None:
+            out.add(Abandon("the runtime is shutting down" if f.stopping else f"held ({f.hold})"))
+        out.to(S.EXITING if f.stopping else S.HELD, now, recycle=None)
+    elif nxt is not None and not _past_gate(nxt):
+        out.to(S.OPENING_GATE, now, _gate_span(v))
+    elif nxt is not None:
+        out.add(Promote())  # a late overlap successor: it goes on starting as the replica's own
+        left = max(1.0, nxt.spawned_at + f.cfg.server.startup_timeout - now)
+        out.to(S.STARTING, now, left)
+    else:
+        _start_cold(v, now, out, Strategy.COLD.value if v.machine.recycle is not None else None)
+
+
+def _opening_gate(v: ReplicaView, now: float, out: _Out) -> None:
+    f, nxt = v.facts, v.successor
+    if f.stopping or f.hold is not None or nxt is None:
+        if nxt is not None:
+            out.add(Abandon("the runtime is shutting down" if f.stopping else f"held ({f.hold})"))
+        if f.stopping or f.hold is not None:
+            out.to(S.EXITING if f.stopping else S.HELD, now, recycle=None)
+        else:
+            _start_cold(v, now, out, Strategy.COLD.value)
+        return
+    if nxt.exit_code is not None:
+        out.add(Failure(nxt.number, FailureKind.START_FAILED.value, nxt.exit_code,
+                        f"exited with {nxt.exit_code} while parked at its startup gate"
+                        + (f" ({nxt.gate}: {nxt.gate_reason})" if nxt.gate not in (None, "parked") else ""),
+                        from_log=True),
+                Abandon(f"generation {nxt.number} exited at its gate"))
+        _note_fallback(v, out, f"generation {nxt.number} exited at its startup gate")
+        _check_limit(v, out)
+        _start_cold(v, now, out, Strategy.COLD.value)
+    elif nxt.gate == "skipped":
+        out.add(LearnGate(nxt.gate_reason), Abandon(f"gated pre-start unavailable: {nxt.gate_reason}"))
+        _note_fallback(v, out, f"gated pre-start unavailable: {nxt.gate_reason}")
+        _start_cold(v, now, out, Strategy.COLD.value)
+    elif nxt.gate == "parked":
+        waited = v.machine.age(now)
+        if f.nvml and f.gpu_room is not True:
+            if waited < f.cfg.server.memory_release_timeout:
+                return
+            out.add(log("gpu_memory_not_free_for_gate", "error", replica=f.index, generation=nxt.number,
+                        waited_s=round(waited, 1)))
+        out.add(OpenGate(nxt.number), log("gate_opened", generation=nxt.number, replica=f.index,
+                                          after_stop_s=round(waited, 2)), Promote())
+        out.to(S.PAST_GATE, now, f.cfg.server.startup_timeout)
+    elif now - nxt.spawned_at > f.cfg.server.gate_timeout:
+        out.add(Failure(nxt.number, FailureKind.START_FAILED.value, None,
+                        f"did not reach its startup gate within {f.cfg.server.gate_timeout:.0f}s"),
+                Abandon(f"generation {nxt.number} never reached its gate"))
+        _note_fallback(v, out, f"generation {nxt.number} never reached its startup gate")
+        _check_limit(v, out)
+        _start_cold(v, now, out, Strategy.COLD.value)
+
+
+def _failing(v: ReplicaView, now: float, out: _Out) -> None:
+    cur = v.current
+    if cur is not None and not _ladder_step(v, cur, now, out):
+        return
+    f, nxt = v.facts, v.successor
+    if f.stopping or f.hold is not None:
+        if nxt is not None:
+            out.add(Abandon("the runtime is shutting down" if f.stopping else f"held ({f.hold})"))
+        out.to(S.EXITING if f.stopping else S.HELD, now)
+    elif nxt is not None and not _past_gate(nxt):
+        out.to(S.OPENING_GATE, now, _gate_span(v))  # a parked successor (a standby): open its gate
+    elif nxt is not None:
+        out.add(Promote())
+        out.to(S.STARTING, now, max(1.0, nxt.spawned_at + f.cfg.server.startup_timeout - now))
+    else:
+        s = f.cfg.server
+        out.to(S.BACKOFF, now, min(s.backoff_max, s.backoff_initial * 2 ** max(v.machine.consecutive - 1, 0)))
+
+
+# -- generations on their way out ----------------------------------------------------------------
+def _ladder_step(v: ReplicaView, g: GenView, now: float, out: _Out) -> bool:
+    """One look at a stopping generation: escalate, or finish. True once it is finished."""
+    s = v.facts.cfg.server
+    if g.phase is not GenPhase.STOPPING:
+        return g.phase is GenPhase.DONE
+    if not g.gone:
+        if now <= (g.deadline or now):
+            return False
+        if not g.kill_sent:
+            out.add(log("stop_timeout_sigkill", "warning", generation=g.number, replica=v.facts.index,
+                        pids=list(g.alive)),
+                    Stop(g.number, kill=True, deadline=now + KILL_WAIT_S))
+            return False
+        out.add(log("stop_incomplete", "error", generation=g.number, replica=v.facts.index, pids=list(g.alive)),
+                Finish(g.number, leftover=g.alive))
+        return True
+    waited = now - (g.stop_mark if g.stop_mark is not None else now)
+    if not g.gpu_free and waited < s.memory_release_timeout:
+        return False
+    if not g.gpu_free:
+        out.add(log("gpu_memory_not_released", "error", generation=g.number, replica=v.facts.index))
+    out.add(Finish(g.number))
+    return True
+
+
+def _retiring(v: ReplicaView, now: float, out: _Out) -> None:
+    """Old generations behind the current one: drain, stop, finish, each on its own deadline."""
+    s = v.facts.cfg.server
+    for g in v.retiring:
+        if g.phase is GenPhase.DRAINING:
+            if g.died:
+                out.add(Failure(g.number, FailureKind.CRASH.value, g.exit_code,
+                                f"backend died while draining (replaced by generation {_n(v.current)})"),
+                        Stop(g.number, kill=True, deadline=now + KILL_WAIT_S))
+                _check_limit(v, out)
+            elif g.in_flight == 0 or now > (g.deadline or now):
+                if g.in_flight:
+                    out.add(log("drain_timeout", "warning", generation=g.number, replica=v.facts.index,
+                                in_flight=g.in_flight))
+                out.add(Stop(g.number, kill=False, deadline=now + s.stop_timeout))
+        else:
+            _ladder_step(v, g, now, out)
+
+
+# -- recycles ----------------------------------------------------------------------------------
+def _begin_or_wait(v: ReplicaView, now: float, out: _Out, reason: str, cls: EndClass, strategy: str | None) -> None:
+    why = v.facts.others_why
+    if why is None:
+        _begin(v, now, out, reason, cls, strategy)
+        return
+    out.to(S.WAITING_TURN, now, wanted=Wanted(reason, cls, strategy), deferred=why)
+    out.add(log("recycle_deferred", replica=v.facts.index, reason=reason, why=why),
+            PastLimit(True))  # nothing queues while it waits for its turn
+
+
+def _successor_deadline(v: ReplicaView, reason: str, now: float) -> float | None:
+    cur = v.current
+    if reason in (triggers.GPU_MEMORY_GROWTH, triggers.HOST_RSS_GROWTH) and cur is not None \
+            and cur.to_limit_s is not None:
+        return now + URGENCY_SHARE * max(0.0, cur.to_limit_s)
+    return None
+
+
+def _begin(v: ReplicaView, now: float, out: _Out, reason: str, cls: EndClass, strategy: str | None) -> None:
+    cur, f = v.current, v.facts
+    assert cur is not None
+    fit = cur.fit if cur.fit is not None else MemoryFit(host_available_mb=0.0, host_footprint_mb=None,
+                                                        gate_unavailable=f.gate_unavailable)
+    if f.gate_unavailable and fit.gate_unavailable != f.gate_unavailable:
+        fit = replace(fit, gate_unavailable=f.gate_unavailable)
+    choice = choose(strategy or f.cfg.server.recycle_strategy, fit, f.starts)
+    if strategy is not None:
+        choice = replace(choice, reason=f"asked for by the command{choice.reason.partition(f'= {strategy}')[2]}")
+    rec = Recycle(reason=reason, cls=cls, strategy=choice.strategy.value, why=choice.reason, started_at=now,
+                  generation=cur.number, successor_deadline=_successor_deadline(v, reason, now))
+    nxt = v.successor  # a standby: it takes over instead of a new start
+    if nxt is not None and choice.strategy is not Strategy.OVERLAP:
+        rec = replace(rec, strategy=Strategy.GATED.value,
+                      why=f"{choice.reason}; the parked standby (generation {nxt.number}) takes over")
+    out.set(recycle=rec, end_reason=(reason, cls), wanted=None, deferred=None)
+    out.add(RecycleBegan(rec), log("recycle_begin", generation=cur.number, replica=f.index, reason=reason,
+                                   cls=cls.value, served=cur.served, toward_limit=cur.requests,
+                                   inherited=cur.inherited, limit=cur.limit, strategy=rec.strategy,
+                                   why=rec.why))
+    if nxt is not None and choice.strategy is Strategy.OVERLAP:
+        out.add(PastLimit(True), OpenGate(nxt.number),
+                log("gate_opened", generation=nxt.number, replica=f.index, beside=cur.number))
+        out.to(S.OVERLAP_STARTING, now)
+    elif nxt is not None:
+        if nxt.gate == "parked":
+            _unready_or_drain(v, now, out, urgent=False)
+        else:
+            out.add(PastLimit(True))
+            out.to(S.GATED_PARKING, now)
+    elif choice.strategy is Strategy.COLD:
+        _unready_or_drain(v, now, out, urgent=False)
+    elif choice.strategy is Strategy.OVERLAP:
+        out.add(PastLimit(True), Spawn(Slot.SUCCESSOR, gated=False, strategy=Strategy.OVERLAP.value))
+        out.to(S.OVERLAP_STARTING, now)
+    else:
+        out.add(PastLimit(True), Spawn(Slot.SUCCESSOR, gated=True, strategy=Strategy.GATED.value))
+        out.to(S.GATED_PARKING, now)
+
+
+def _unready_or_drain(v: ReplicaView, now: float, out: _Out, urgent: bool) -> None:
+    """Before a gap: announce the replica as leaving for `unready_lead` when it is the only one
+    serving (a balancer then moves traffic away first); else, or when urgent, drain now."""
+    lead = v.facts.cfg.server.unready_lead
+    if lead > 0 and not urgent and v.facts.others_serving == 0:
+        out.add(Leaving(True), PastLimit(True))
+        out.to(S.UNREADY, now, lead)
+    else:
+        _drain_current(v, now, out)
+
+
+def _drain_current(v: ReplicaView, now: float, out: _Out) -> None:
+    cur, s = v.current, v.facts.cfg.server
+    assert cur is not None
+    reason, cls = out.m.end_reason
+    rec = out.m.recycle
+    if rec is not None and rec.closed_at is None:
+        out.set(recycle=replace(rec, closed_at=now))
+    out.add(Drain(cur.number, now + s.drain_timeout, reason, cls))
+    out.to(S.DRAINING, now, s.drain_timeout)
+
+
+def _switch(v: ReplicaView, now: float, out: _Out) -> None:
+    """The successor is ready: it takes new requests, then the old one drains behind it."""
+    old, nxt, rec, s = v.current, v.successor, out.m.recycle, v.facts.cfg.server
+    assert old is not None and nxt is not None and nxt.ready_at is not None
+    reason, cls = out.m.end_reason
+    out.add(Promote(), GoLive(past_limit=s.recycle_strategy != Strategy.COLD.value),
+            LearnStart(beside=True, seconds=round(nxt.ready_at - nxt.spawned_at, 1)))
+    if old.phase is GenPhase.SERVING:
+        out.add(Drain(old.number, now + s.drain_timeout, reason, cls))
+    if rec is not None:
+        out.add(RecycleReady(nxt.number, round(now - rec.started_at, 3),
+                             round(now - rec.closed_at, 3) if rec.closed_at is not None else 0.0))
+    out.add(log("generation_switched", replica=v.facts.index, old=old.number, new=nxt.number,
+                old_in_flight=old.in_flight))
+    out.to(S.SERVING, now, recycle=None, consecutive=0)
+
+
+def _handover(v: ReplicaView, now: float, out: _Out, why: str) -> None:
+    """The successor is late: the old generation drains now; the successor keeps starting and
+    takes over when it is ready (or when its gate opens)."""
+    nxt = v.successor
+    assert nxt is not None
+    note = f"handed over: {why}; generation {nxt.number} goes on starting"
+    out.add(RecycleNote(out.m.recycle.strategy if out.m.recycle else Strategy.COLD.value, note),
+            log("recycle_handover", "warning", replica=v.facts.index, generation=_n(v.current),
+                next_generation=nxt.number, why=why))
+    _drain_current(v, now, out)
+
+
+def _successor_lost(v: ReplicaView, now: float, out: _Out) -> bool:
+    """While the old generation drains or stops: a successor that died (or cannot park) is a
+    failure of its own, and the recycle goes on cold. True when it was lost."""
+    nxt = v.successor
+    assert nxt is not None
+    if nxt.exit_code is not None:
+        detail = (f"exited with {nxt.exit_code} while " + ("parked at its startup gate" if nxt.gate == "parked"
+                                                            else "starting"))
+        out.add(Failure(nxt.number, FailureKind.START_FAILED.value, nxt.exit_code, detail, from_log=True),
+                Abandon(detail))
+        _note_fallback(v, out, f"generation {nxt.number} {detail}")
+        _check_limit(v, out)
+        return True
+    if nxt.gate == "skipped":
+        out.add(LearnGate(nxt.gate_reason), Abandon(f"gated pre-start unavailable: {nxt.gate_reason}"))
+        _note_fallback(v, out, f"gated pre-start unavailable: {nxt.gate_reason}")
+        return True
+    return False
+
+
+def _successor_failed(v: ReplicaView, now: float, out: _Out, kind: str, exit_code: int | None, detail: str,
+                      from_log: bool) -> None:
+    nxt = v.successor
+    assert nxt is not None
+    out.add(Failure(nxt.number, kind, exit_code, detail, from_log=from_log))
+    _check_limit(v, out)
+    _fallback_cold(v, now, out, f"generation {nxt.number} {detail}")
+
+
+def _fallback_cold(v: ReplicaView, now: float, out: _Out, why: str) -> None:
+    """The successor cannot take over: kill it and recycle cold."""
+    out.add(Abandon(why))
+    _note_fallback(v, out, why)
+    _unready_or_drain(v, now, out, urgent=False)
+
+
+def _note_fallback(v: ReplicaView, out: _Out, why: str) -> None:
+    rec = out.m.recycle
+    if rec is None:
+        return
+    note = f"fell back to cold: {why}"[:500]
+    out.set(recycle=replace(rec, strategy=Strategy.COLD.value, why=note))
+    out.add(RecycleNote(Strategy.COLD.value, note),
+            log("recycle_fallback", "warning", replica=v.facts.index, generation=rec.generation, why=why))
+
+
+def _start_cold(v: ReplicaView, now: float, out: _Out, strategy: str | None) -> None:
+    out.add(Spawn(Slot.CURRENT, gated=False, strategy=strategy))
+    out.to(S.STARTING, now, v.facts.cfg.server.startup_timeout)
+
+
+# -- failures ----------------------------------------------------------------------------------
+def _fail(v: ReplicaView, now: float, out: _Out, kind: str, exit_code: int | None, detail: str,
+          cls: EndClass = EndClass.UNPLANNED, from_log: bool = False) -> None:
+    """Any unexpected end (exit 0 included) of `current` is a failure: record it, kill it. A
+    successor already starting stays: it takes over once this one is gone."""
+    cur = v.current
+    assert cur is not None
+    rec = out.m.recycle
+    out.add(Failure(cur.number, kind, exit_code, detail, cls, from_log))
+    if rec is not None:
+        out.add(RecycleNote(rec.strategy, f"ended by a failure of generation {cur.number} ({kind})"))
+    out.add(Stop(cur.number, kill=True, deadline=now + KILL_WAIT_S, reason=kind, cls=cls))
+    if v.machine.state is S.UNREADY:
+        out.add(Leaving(False))
+    _check_limit(v, out, cls)
+    out.to(S.FAILING, now, _stop_span(v, kill=True), recycle=None, wanted=None, end_reason=(kind, cls),
+           consecutive=v.machine.consecutive + 1)
+
+
+def _check_limit(v: ReplicaView, out: _Out, cls: EndClass = EndClass.UNPLANNED) -> None:
+    """One more unplanned failure: at `max_failures` within the window the runtime gives up."""
+    if cls is EndClass.UNPLANNED and v.facts.failures_in_window + 1 >= v.facts.cfg.server.max_failures:
+        out.add(GiveUp())
+
+
+# -- commands ----------------------------------------------------------------------------------
+def _why_not(v: ReplicaView) -> str:
+    f, m, cur = v.facts, v.machine, v.current
+    where = f"replica {f.index}: " if f.replicas > 1 else ""
+    if f.stopping:
+        return where + "the runtime is shutting down"
+    n = cur.number if cur is not None else "-"
+    return where + {
+        S.STARTING: f"generation {n} is still starting",
+        S.PAST_GATE: f"generation {n} is still starting",
+        S.BACKOFF: "no generation is running (backing off after a failure)",
+        S.FAILING: f"generation {n} failed and is being stopped",
+        S.HELD: f"held ({f.hold}): nothing runs until release",
+        S.EXITING: "the runtime is shutting down",
+    }.get(m.state, "a recycle or stop is already in progress")
+
+
+def _recycle_cmd(v: ReplicaView, cmd: RecycleCmd, now: float, out: _Out) -> None:
+    f, cur = v.facts, v.current
+    where = f"replica {f.index}: " if f.replicas > 1 else ""
+    if f.hold is not None:
+        out.add(Reply(False, f"held ({f.hold}): planned recycles wait for release"))
+    elif f.stopping or v.machine.state not in RECYCLABLE or cur is None:
+        out.add(Reply(False, _why_not(v)))
+    elif f.others_why is not None:
+        _begin_or_wait(v, now, out, cmd.reason, cmd.cls, cmd.strategy)
+        out.add(Reply(True, f"{where}waits for its turn ({f.others_why})"))
+    else:
+        _begin(v, now, out, cmd.reason, cmd.cls, cmd.strategy)
+        st, nxt_n = out.m.state, "next"
+        if st is S.OVERLAP_STARTING or st is S.GATED_PARKING:
+            how = "up to its startup gate " if st is S.GATED_PARKING else ""
+            out.add(Reply(True, f"{where}starting the {nxt_n} generation {how}beside generation {cur.number} "
+                                f"({out.m.recycle.strategy if out.m.recycle else ''})"))
+        else:
+            out.add(Reply(True, f"{where}draining generation {cur.number}"))
+
+
+def _restart_cmd(v: ReplicaView, cmd: RestartCmd, now: float, out: _Out) -> None:
+    cur = v.current
+    if v.facts.stopping or cur is None or COARSE[v.machine.state] not in RESTARTABLE:
+        out.add(Reply(False, _why_not(v)))
+        return
+    _fail(v, now, out, FailureKind.RESTART.value, cur.exit_code, cmd.reason, cmd.cls)
+    out.add(Reply(True, f"killing generation {cur.number}; requests not yet answered go to the next"))
+
+
+def _hold_cmd(v: ReplicaView, now: float, out: _Out) -> None:
+    """Held: nothing new starts. A successor starting beside the serving generation is stopped
+    (the serving one keeps serving), a recycle waiting for its turn is dropped, a replica backing
+    off stays down; a stop under way ends in HELD (`_after_stop`)."""
+    st = v.machine.state
+    if st in (S.STANDBY, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY, S.WAITING_TURN):
+        if v.successor is not None:
+            out.add(Abandon(f"held ({v.facts.hold})"))
+        if st is S.UNREADY:
+            out.add(Leaving(False))
+        out.to(S.SERVING, now, recycle=None, wanted=None, deferred=None)
+    elif st is S.BACKOFF:
+        out.to(S.HELD, now)
+    out.add(Reply(True, "held"))
+
+
+def _release_cmd(v: ReplicaView, now: float, out: _Out) -> None:
+    if v.machine.state is S.HELD and not v.facts.stopping:
+        _start_cold(v, now, out, None)
+        out.add(Reply(True, "starting"))
+    else:
+        out.add(Reply(True, "released"))
+
+
+def _stop_cmd(v: ReplicaView, cmd: StopCmd, now: float, out: _Out) -> None:
+    """SIGTERM/SIGINT: drain and stop; a second signal shortens the ladder."""
+    st, cur, s = v.machine.state, v.current, v.facts.cfg.server
+    if v.successor is not None and st is not S.FAILING:
+        out.add(Abandon("the runtime is shutting down"))
+    out.set(wanted=None, deferred=None)
+    if st in (S.BACKOFF, S.HELD, S.OPENING_GATE):
+        out.to(S.EXITING, now, recycle=None)
+    elif st in SERVING_STATES and cur is not None:
+        if st is S.UNREADY:
+            out.add(Leaving(False))
+        out.set(end_reason=("shutdown", EndClass.SCHEDULED), recycle=None)
+        _drain_current(v, now, out)
+    elif st in BOOTING_STATES and cur is not None:
+        # nothing was served: no request to drain; SIGKILL (a loading vLLM ignores SIGTERM until it is up)
+        out.add(Stop(cur.number, kill=True, deadline=now + KILL_WAIT_S, reason="shutdown", cls=EndClass.SCHEDULED))
+        out.to(S.STOPPING, now, _stop_span(v, kill=True), recycle=None)
+    elif cmd.second and st is S.DRAINING and cur is not None:
+        out.add(Stop(cur.number, kill=False, deadline=now + s.stop_timeout))
+        out.to(S.STOPPING, now, _stop_span(v, kill=False))
+    elif cmd.second and st is S.STOPPING and cur is not None:
+        out.add(Stop(cur.number, kill=True, deadline=now + KILL_WAIT_S))
+        out.to(S.STOPPING, now, _stop_span(v, kill=True))
+
+
+def _stop_span(v: ReplicaView, kill: bool) -> float:
+    """The longest a stop may take: the signal's deadline, SIGKILL's wait, the memory release."""
+    s = v.facts.cfg.server
+    return (0.0 if kill else s.stop_timeout) + KILL_WAIT_S + s.memory_release_timeout
+
+
+def _gate_span(v: ReplicaView) -> float:
+    s = v.facts.cfg.server
+    return s.gate_timeout + s.memory_release_timeout
+
+
+def _n(g: GenView | None) -> str:
+    return str(g.number) if g is not None else "-"
+
+
+__all__ = ["KILL_WAIT_S", "RESTARTABLE", "decide"]

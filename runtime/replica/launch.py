@@ -1,0 +1,79 @@
+"""Launching a generation: its environment, its backend process, its ledger row, its target.
+
+The `Spawner` of `ports`: the driver asks for a generation of a replica, gated or not; this
+gives each its number (numbers continue across runtimes), its log file, its startup gate
+(`core.plugin.gate_dir`) and its count limit (`max_requests` + jitter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import structlog
+
+from vllm_guard.core import plugin
+from vllm_guard.core.config import GuardConfig, ServerConfig
+
+from ..child.backend import Backend, child_env, free_port
+from ..frontdoor.target import Target
+from ..records.writer import RuntimeLedger
+from .generation import Generation
+from .plan import ReplicaPlan
+from .triggers import generation_limit
+
+log = structlog.get_logger("vllm_guard.supervisor")
+
+KEEP_LOGS = 20
+PARK_SLACK_S = 120.0
+STANDBY_PARK_S = 30 * 86400.0  # a standby waits at its gate until it is needed (a month: then it is replaced)
+
+
+def park_limit(s: ServerConfig) -> float:
+    """How long a parked engine waits for its gate before it gives up and exits: the old
+    generation's whole way out (drain, stop, memory release) plus slack."""
+    return s.drain_timeout + s.stop_timeout + s.memory_release_timeout + PARK_SLACK_S
+
+
+def prune_logs(logs: Path) -> None:
+    """Keep the last KEEP_LOGS generation logs."""
+    old = sorted(logs.glob("generation-*.log"), key=lambda p: p.stat().st_mtime)[:-KEEP_LOGS]
+    for p in old:
+        p.unlink(missing_ok=True)
+
+
+class Launcher:
+    def __init__(self, cfg: GuardConfig, model: str, python: str, state_dir: Path, ledger: RuntimeLedger,
+                 plans: Sequence[ReplicaPlan], next_number: Callable[[], int]) -> None:
+        self.cfg, self.model, self.python, self.state_dir, self.ledger = cfg, model, python, state_dir, ledger
+        self.plans = {p.index: p for p in plans}
+        self.next_number = next_number
+
+    async def spawn(self, replica: int, strategy: str | None, gated: bool, beside: bool,
+                    standby: bool = False) -> Generation:
+        """Launch a generation of `replica` (OSError: the interpreter cannot even be run)."""
+        s, n = self.cfg.server, self.next_number()
+        env = child_env(self.cfg, self.state_dir, n)
+        env.update(self.plans[replica].env())
+        gate = plugin.gate_dir(self.state_dir, n) if gated else None
+        if gate is not None:
+            env = plugin.gate_env(env, gate, STANDBY_PARK_S if standby else park_limit(s))
+        backend = Backend(generation=n, model=self.model, host=s.backend_host, port=free_port(s.backend_host),
+                          vllm_args=list(s.vllm_args), log_path=self.state_dir / "logs" / f"generation-{n}.log",
+                          python=self.python, env=env, nice=s.backend_nice)
+        target = Target(generation=n, url=backend.url, limit=generation_limit(self.cfg.recycle))
+        try:
+            await backend.start()
+        except OSError as e:
+            log.error("backend_launch_failed", error=str(e), python=self.python)
+            raise
+        row = self.ledger.generation_started(n, backend.pid, backend.pid_started, self.model, replica, strategy)
+        gen = Generation(n, backend, target, row, replica=replica, strategy=strategy, gate=gate,
+                         spawned_mono=time.monotonic(), beside=beside, standby=standby)
+        log.info("generation_starting", generation=n, replica=replica, pid=backend.pid, backend=backend.url,
+                 max_requests=target.limit, strategy=strategy, gated=gated, beside=beside,
+                 gpus=self.plans[replica].gpus or None, log=str(backend.log_path))
+        await asyncio.to_thread(prune_logs, self.state_dir / "logs")
+        return gen

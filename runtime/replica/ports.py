@@ -1,0 +1,95 @@
+"""The narrow interfaces a replica's driver carries effects out through.
+
+The driver never sees the supervisor: it launches generations through a `Spawner`, routes
+through a `Door` (the proxy), records through `Books` (the ledger and the bounded records),
+starts watchers through `Watchers` and tells the runtime what only the runtime acts on through
+`Hub`. Tests give fakes of these; the runtime gives the real ones.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from vllm_guard.core.ledger import EndClass
+
+from ..frontdoor.target import Target
+from .generation import Generation
+from .machine import Recycle
+
+
+class Spawner(Protocol):
+    async def spawn(self, replica: int, strategy: str | None, gated: bool, beside: bool,
+                    standby: bool = False) -> Generation:
+        """Launch a generation of `replica` (OSError: the interpreter cannot even be run)."""
+
+
+class Door(Protocol):
+    @property
+    def queued(self) -> int: ...
+
+    async def add_target(self, target: Target, replica: int = 0) -> None: ...
+
+    async def stop_dispatch(self, target: Target, dead: bool = False) -> None: ...
+
+    async def allow_past_limit(self, target: Target, allowed: bool = True) -> None: ...
+
+    def set_leaving(self, target: Target, leaving: bool) -> None: ...
+
+    def queue_mark(self) -> int:
+        """The queue's high-water mark since the last call (it starts again from now)."""
+
+
+class Books(Protocol):
+    def generation_ready(self, gen: Generation) -> None: ...
+
+    def generation_ended(self, gen: Generation, leftover: tuple[int, ...]) -> None: ...
+
+    def failure(self, gen: Generation, kind: str, exit_code: int | None, detail: str, cls: EndClass) -> None: ...
+
+    def restored(self, replica: int) -> None:
+        """A generation of `replica` serves: its failures so far are restored."""
+
+    def recycle_began(self, replica: int, rec: Recycle, in_flight: int, queued: int) -> None: ...
+
+    def recycle_note(self, replica: int, strategy: str, why: str, next_generation: int | None) -> None: ...
+
+    def recycle_mark(self, replica: int, what: str) -> None: ...
+
+    def recycle_ready(self, replica: int, generation: int, duration_s: float, downtime_s: float,
+                      queued: int) -> None: ...
+
+
+class Watchers(Protocol):
+    def booting(self, gen: Generation) -> None:
+        """Readiness (and the gate of a gated one) while it starts."""
+
+    def serving(self, gen: Generation) -> None:
+        """The probe and memory sampling while it serves."""
+
+    def stopping(self, gen: Generation) -> None:
+        """Its processes and GPU memory, until they are gone."""
+
+    def room(self, replica: int, note: Callable[[bool], None]) -> Callable[[], None]:
+        """Whether its GPUs have room for the next start; returns how to stop watching."""
+
+
+class Hub(Protocol):
+    """What only the runtime acts on."""
+
+    def give_up(self) -> None: ...
+
+    def exit_all(self, code: int) -> None: ...
+
+    def reap_later(self, pids: list[int]) -> None: ...
+
+    def learn_gate(self, reason: str) -> None: ...
+
+    def learn_start(self, replica: int, beside: bool, seconds: float) -> None: ...
+
+    def learn_standby(self, replica: int, failed: bool) -> None: ...
+
+    def ready(self) -> None: ...
+
+    def extend(self) -> None: ...
+
+    def state_changed(self) -> None: ...

@@ -1,0 +1,426 @@
+"""Every recycle and failure path of a replica, start to end, in milliseconds: the real driver
+and the real `decide` over a simulated box (tests/replica_world.py: generations that boot, park,
+crash and die on command; the real books on a real SQLite ledger).
+
+The real-vLLM proof of the same paths is tests/test_strategies_real.py (overlap and gated in
+`make test`) and tests/test_strategies.py (replicas, in the long tier)."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+from pathlib import Path
+
+from replica_world import GIB, Plan, World, run
+
+from vllm_guard.core.config import GuardConfig
+from vllm_guard.core.ledger import EndClass
+from vllm_guard.runtime.replica.machine import State
+from vllm_guard.runtime.replica.strategy import MemoryFit
+from vllm_guard.runtime.replica.triggers import Growth
+from vllm_guard.runtime.replica.view import HoldCmd, RecycleCmd, ReleaseCmd, RestartCmd, StopCmd
+
+S = State
+
+
+def cfg(**server: object) -> GuardConfig:
+    c = GuardConfig()
+    c.server.unready_lead = 0.0  # type: ignore[assignment]
+    c.server.standby = "off"  # the standby's own scenarios turn it on
+    for k, v in server.items():
+        section, _, key = k.partition("__")
+        setattr(getattr(c, section), key, v)
+    return c
+
+
+async def serving(w: World, replica: int = 0) -> None:
+    await w.run_until(lambda: w.drivers[replica].state is S.SERVING)
+
+
+def rows(w: World, sql: str) -> list[tuple[object, ...]]:
+    w.ledger.close()
+    db = sqlite3.connect(w.tmp / "ledger.sqlite")
+    try:
+        return db.execute(sql).fetchall()
+    finally:
+        db.close()
+
+
+# -- each strategy, start to end ----------------------------------------------------------------
+def test_a_cold_recycle_drains_stops_and_starts_the_next(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w)
+        d = await w.command(RecycleCmd("test", strategy="cold"))
+        assert d.reply.accepted and "draining generation 1" in d.reply.detail
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
+        assert w.states()[-5:] == [S.SERVING, S.DRAINING, S.STOPPING, S.STARTING, S.SERVING]
+        old = w.gen(1)
+        assert old.ended and old.backend.signals == [signal.SIGTERM] and old.end_reason == ("test", EndClass.SCHEDULED)
+
+    w = run(tmp_path, scenario, cfg())
+    (rec,) = rows(w, "SELECT strategy, drained_at, stopped_at, ready_at, downtime_s FROM recycles")
+    assert rec[0] == "cold" and all(rec[1:4]) and rec[4] > 0
+
+
+def test_overlap_switches_with_no_gap_and_the_old_one_retires_behind(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w)
+        d = await w.command(RecycleCmd("test"))  # auto: two generations fit in the world's memory
+        assert d.reply.accepted and "overlap" in d.reply.detail
+        assert w.drivers[0].state is S.OVERLAP_STARTING and 1 in w.routes and 1 in w.past_limit
+        await w.run_until(lambda: w.drivers[0].current.number == 2)
+        assert w.drivers[0].state is S.SERVING and set(w.routes) == {2}  # the switch: never a moment with none
+        assert [g.number for g in w.drivers[0].retiring] == [1]
+        await w.run_until(lambda: not w.drivers[0].retiring)
+        assert w.gen(1).ended and w.gen(1).backend.signals == [signal.SIGTERM]
+        assert w.states() == [S.STARTING, S.SERVING, S.OVERLAP_STARTING, S.SERVING]
+
+    w = run(tmp_path, scenario, cfg())
+    (rec,) = rows(w, "SELECT strategy, downtime_s FROM recycles")
+    assert rec == ("overlap", 0.0)
+
+
+def test_gated_parks_then_opens_the_gate_only_once_the_old_one_is_gone(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        w.nvml = True
+        await serving(w)
+        w.has_room = False  # NVML shows the old generation's memory still held
+        d = await w.command(RecycleCmd("test", strategy="gated"))
+        assert d.reply.accepted and "gate" in d.reply.detail
+        await w.run_until(lambda: w.drivers[0].state is S.OPENING_GATE)
+        assert w.gen(1).ended and not w.gen(2).gate_report.state == "opened"
+        for _ in range(3):
+            await w.step()
+        assert w.drivers[0].state is S.OPENING_GATE  # no room yet: the gate stays shut
+        w.has_room = True
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING)
+        assert w.drivers[0].current.number == 2
+        assert w.states()[-6:] == [S.GATED_PARKING, S.DRAINING, S.STOPPING, S.OPENING_GATE, S.PAST_GATE, S.SERVING]
+
+    w = run(tmp_path, scenario, cfg())
+    (rec,) = rows(w, "SELECT strategy, ready_at FROM recycles")
+    assert rec[0] == "gated" and rec[1]
+
+
+def test_a_cold_or_gated_stop_of_the_only_replica_is_announced_first(tmp_path: Path) -> None:
+    c = cfg()
+    c.server.unready_lead = 10.0  # type: ignore[assignment]
+
+    async def scenario(w: World) -> None:
+        await serving(w)
+        await w.command(RecycleCmd("test", strategy="cold"))
+        assert w.drivers[0].state is S.UNREADY and w.leaving == {1} and 1 in w.routes  # still serving
+        took = await w.run_until(lambda: w.drivers[0].state is S.DRAINING)
+        assert took >= 10.0
+
+    run(tmp_path, scenario, c)
+
+
+# -- successors that fail, or are late ------------------------------------------------------------
+def test_a_successor_that_dies_is_its_own_failure_and_the_recycle_goes_on_cold(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w)
+        w.plans.append(Plan(exit_at_s=2.0))
+        await w.command(RecycleCmd("test", strategy="overlap"))
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 3)
+        assert w.gen(1).end_reason[1] is EndClass.SCHEDULED  # the serving one did not fail
+        assert [(f.generation, f.kind) for f in w.books.failures] == [(2, "start_failed")]
+        assert "RuntimeError: simulated" in list(w.books.failures)[0].detail  # vLLM's root cause, from its log
+
+    w = run(tmp_path, scenario, cfg())
+    assert rows(w, "SELECT strategy FROM recycles") == [("cold",)]
+
+
+def test_a_successor_that_never_gets_ready_times_out(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w)
+        w.plans.append(Plan(ready_s=10_000))
+        await w.command(RecycleCmd("test", strategy="overlap"))
+        await w.run_until(lambda: w.drivers[0].current.number == 3, limit_s=2000)
+        assert [f.kind for f in w.books.failures] == ["start_timeout"]
+
+    c = cfg()
+    c.server.startup_timeout = 100.0  # type: ignore[assignment]
+    c.recycle.max_requests_overrun = 100.0  # not late by count: only the start timeout applies
+    run(tmp_path, scenario, c)
+
+
+def test_a_successor_that_never_reaches_its_gate_fails_and_one_that_cannot_park_is_learned(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w)
+        w.plans.append(Plan(park_s=10_000))
+        await w.command(RecycleCmd("test", strategy="gated"))
+        await w.run_until(lambda: w.drivers[0].current.number == 3, limit_s=2000)
+        assert [f.kind for f in w.books.failures] == ["start_failed"]
+        assert "did not reach its startup gate" in list(w.books.failures)[0].detail
+        await serving(w)
+        w.plans.append(Plan(gate="skipped"))
+        await w.command(RecycleCmd("test", strategy="gated"))
+        await w.run_until(lambda: w.drivers[0].current.number == 5)
+        assert w.learned_gate == "simulated: cannot park" and len(list(w.books.failures)) == 1  # not a failure
+        w.fit = MemoryFit(host_available_mb=3.5 * GIB, host_footprint_mb=3 * GIB, parked_mb=1.5 * GIB)
+        await serving(w)
+        d = await w.command(RecycleCmd("auto"))  # two do not fit; parking is learned to be impossible
+        assert "draining" in d.reply.detail
+
+    c = cfg()
+    c.server.gate_timeout = 60.0  # type: ignore[assignment]
+    run(tmp_path, scenario, c)
+
+
+def test_a_late_overlap_successor_takes_over_after_the_old_one_drains(tmp_path: Path) -> None:
+    """The request limit's overrun is used up while the successor starts: the old generation
+    drains anyway; the successor is not thrown away, it takes over once ready."""
+    c = cfg()
+    c.recycle.max_requests = 100
+    c.recycle.max_requests_overrun = 0.5
+
+    async def scenario(w: World) -> None:
+        await serving(w)
+        w.plans.append(Plan(ready_s=60.0))
+        t = w.drivers[0].current.target
+        t.dispatched = 100  # the limit: the recycle begins
+        await w.step()
+        assert w.drivers[0].state is S.OVERLAP_STARTING
+        t.dispatched = 149
+        await w.step()
+        assert w.drivers[0].state is S.OVERLAP_STARTING
+        t.dispatched = 150  # 100 + 50 %: late
+        await w.step()
+        assert w.drivers[0].state is S.DRAINING and w.drivers[0].successor.number == 2
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING)
+        assert w.drivers[0].current.number == 2 and not w.books.failures.total
+        assert w.states()[-5:] == [S.OVERLAP_STARTING, S.DRAINING, S.STOPPING, S.STARTING, S.SERVING]
+
+    run(tmp_path, scenario, c)
+
+
+def test_a_memory_triggered_recycle_stops_waiting_before_its_forecast_limit(tmp_path: Path) -> None:
+    c = cfg()
+    c.recycle.max_host_rss_growth_mb = 500.0
+
+    async def scenario(w: World) -> None:
+        await serving(w)
+        w.plans.append(Plan(ready_s=500.0))
+        g = w.drivers[0].current
+        g.note_memory(g.memory, Growth(rss_mb=600.0), w.fit, to_limit_s=40.0)  # OOM in 40 s at this rate
+        began = w.now
+        await w.step()
+        assert w.drivers[0].state is S.OVERLAP_STARTING
+        await w.run_until(lambda: w.drivers[0].state is S.DRAINING)
+        assert w.now - began <= 0.5 * 40.0 + 1.0, "the old generation was kept past half its forecast"
+        assert any("handed over" in (r.strategy_reason or "") for r in w.books.recycles)
+
+    run(tmp_path, scenario, c)
+
+
+# -- failures ----------------------------------------------------------------------------------
+def test_a_crash_kills_backs_off_and_starts_again(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w)
+        w.gen(1).backend.rc = 0  # vLLM's API server exits 0 when its engine dies
+        await w.step()
+        assert w.drivers[0].state is S.FAILING and w.gen(1).backend.signals == [signal.SIGKILL]
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING)
+        assert w.states()[-4:] == [S.FAILING, S.BACKOFF, S.STARTING, S.SERVING]
+        (f,) = list(w.books.failures)
+        assert (f.kind, f.generation, f.restored_at is not None) == ("crash", 1, True)
+
+    run(tmp_path, scenario, cfg())
+
+
+def test_a_crash_while_a_gated_successor_is_parked_opens_its_gate_instead_of_a_cold_start(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w)
+        await w.command(RecycleCmd("test", strategy="gated"))
+        await w.run_until(lambda: w.gen(2).gate_report is not None)
+        w.gen(1).backend.rc = 1
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING)
+        assert w.drivers[0].current.number == 2 and w.number == 2  # no third start
+        assert S.BACKOFF not in w.states() and w.states()[-3:] == [S.OPENING_GATE, S.PAST_GATE, S.SERVING]
+
+    run(tmp_path, scenario, cfg())
+
+
+def test_a_hang_is_a_failure_of_its_own_kind(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w)
+        w.gen(1).note_hang("probe failed (timeout) and no token moved in 30 s")
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
+        assert [f.kind for f in w.books.failures] == ["hang"]
+
+    run(tmp_path, scenario, cfg())
+
+
+def test_max_failures_in_the_window_gives_up(tmp_path: Path) -> None:
+    c = cfg()
+    c.server.max_failures = 2
+
+    async def scenario(w: World) -> None:
+        w.plans += [Plan(exit_at_s=1.0), Plan(exit_at_s=1.0)]
+        await w.run_until(lambda: w.drivers[0].state is S.EXITING)
+        assert w.gave_up == 1 and [f.kind for f in w.books.failures] == ["start_failed", "start_failed"]
+
+    run(tmp_path, scenario, c)
+
+
+# -- commands ----------------------------------------------------------------------------------
+def test_restart_hold_release_and_stop(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w)
+        d = await w.command(RestartCmd("stuck"))
+        assert d.reply.accepted and w.drivers[0].state is S.FAILING
+        w.hold = "maintenance"
+        d = await w.command(HoldCmd("maintenance"))
+        await w.run_until(lambda: w.drivers[0].state is S.HELD)
+        assert w.number == 1  # nothing started while held
+        d = await w.command(RecycleCmd("x"))
+        assert not d.reply.accepted and "held" in d.reply.detail
+        w.hold = None
+        await w.command(ReleaseCmd())
+        await serving(w)
+        w.shutting_down = True
+        await w.command(StopCmd())
+        await w.run_until(lambda: w.drivers[0].state is S.EXITING)
+        assert w.gen(2).end_reason == ("shutdown", EndClass.SCHEDULED) and w.gen(2).ended
+
+    run(tmp_path, scenario, cfg())
+
+
+def test_a_hold_stops_a_successor_and_the_serving_generation_keeps_serving(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w)
+        await w.command(RecycleCmd("test", strategy="overlap"))
+        w.hold = "xid 79"
+        await w.command(HoldCmd("xid 79"))
+        assert w.drivers[0].state is S.SERVING and w.drivers[0].successor is None
+        await w.run_until(lambda: w.gen(2).ended)
+        assert 1 in w.routes and w.gen(2).backend.signals == [signal.SIGKILL]
+
+    run(tmp_path, scenario, cfg())
+
+
+def test_a_second_sigterm_shortens_the_ladder(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        w.term_s = 1000.0  # a vLLM that ignores SIGTERM
+        await serving(w)
+        w.gen(1).target.in_flight = 1  # a request that never ends
+        w.shutting_down = True
+        await w.command(StopCmd())
+        assert w.drivers[0].state is S.DRAINING
+        await w.command(StopCmd(second=True))
+        assert w.drivers[0].state is S.STOPPING
+        await w.command(StopCmd(second=True))
+        assert w.gen(1).backend.signals == [signal.SIGTERM, signal.SIGKILL]
+        await w.run_until(lambda: w.drivers[0].state is S.EXITING)
+
+    run(tmp_path, scenario, cfg())
+
+
+# -- rolling replicas --------------------------------------------------------------------------
+def test_rolling_replicas_recycle_one_at_a_time_and_never_while_one_is_down(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w, 0)
+        await serving(w, 1)
+        for i in (0, 1):
+            d = await w.command(RecycleCmd("test", strategy="cold"), i)
+            assert d.reply.accepted
+        assert w.drivers[0].state is S.DRAINING and w.drivers[1].state is S.WAITING_TURN
+        at_once = 0
+        while not (w.drivers[0].state is S.SERVING and w.drivers[1].state is S.SERVING
+                   and w.drivers[1].current.number > 2):
+            await w.step()
+            busy = sum(1 for d in w.drivers if d.machine.recycle is not None)
+            at_once = max(at_once, busy)
+        assert at_once == 1
+        # replica 0 down (crashed): replica 1's recycle waits until it is back
+        w.drivers[0].current.backend.rc = 1
+        await w.step()
+        d = await w.command(RecycleCmd("test", strategy="cold"), 1)
+        assert w.drivers[1].state is S.WAITING_TURN and "replica 0 is" in d.reply.detail
+        await w.run_until(lambda: w.drivers[1].state is S.DRAINING)
+        assert w.drivers[0].state is S.SERVING
+
+    run(tmp_path, scenario, cfg(), replicas=2)
+
+
+def test_an_inherited_backlog_does_not_trigger_the_next_recycle(tmp_path: Path) -> None:
+    c = cfg()
+    c.recycle.max_requests = 50
+
+    async def scenario(w: World) -> None:
+        await serving(w)
+        t = w.drivers[0].current.target
+        t.dispatched, t.inherited = 50, 50  # 50 requests that waited through its start
+        for _ in range(3):
+            await w.step()
+        assert w.drivers[0].state is S.SERVING
+        t.dispatched = 100  # and 50 of its own
+        await w.step()
+        assert w.drivers[0].state is not S.SERVING
+
+    run(tmp_path, scenario, c)
+
+
+# -- the parked standby --------------------------------------------------------------------------
+def standby_cfg() -> GuardConfig:
+    c = cfg()
+    c.server.standby = "auto"
+    return c
+
+
+def test_a_standby_parks_once_the_generation_serves_and_a_crash_opens_its_gate(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        w.nvml = True
+        await w.run_until(lambda: w.drivers[0].state is S.STANDBY)
+        await w.run_until(lambda: w.gen(2).gate_report is not None and w.gen(2).gate_report.state == "parked")
+        assert w.drivers[0].current.number == 1 and set(w.routes) == {1}  # the standby takes nothing
+        w.gen(1).backend.rc = 1  # a crash
+        crashed = w.now
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
+        assert w.number == 2, "a cold start instead of the standby"
+        assert w.states()[-4:] == [S.FAILING, S.OPENING_GATE, S.PAST_GATE, S.SERVING]
+        (f,) = list(w.books.failures)
+        assert f.kind == "crash" and f.restored_at is not None
+        assert w.now - crashed <= 2.0 + 2.0 + 2.0  # kill + memory gone + the part after the gate (after_gate_s)
+        await w.run_until(lambda: w.drivers[0].state is S.STANDBY and w.number == 3)  # and a new standby
+
+    run(tmp_path, scenario, standby_cfg())
+
+
+def test_a_recycle_uses_the_parked_standby_instead_of_a_new_start(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        w.fit = MemoryFit(host_available_mb=3.5 * GIB, host_footprint_mb=3 * GIB, parked_mb=1.5 * GIB)  # two do not fit
+        await w.run_until(lambda: w.gen(2).gate_report is not None if w.number >= 2 else False)
+        d = await w.command(RecycleCmd("test"))
+        assert d.reply.accepted and w.drivers[0].state is S.DRAINING  # parked already: straight to the drain
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
+        assert S.OPENING_GATE in w.states() and w.number in (2, 3)  # no start but the next standby
+        (rec,) = list(w.books.recycles)
+        assert rec.strategy == "gated" and "standby" in (rec.strategy_reason or "")
+
+    run(tmp_path, scenario, standby_cfg())
+
+
+def test_a_standby_that_dies_is_replaced_and_is_no_failure_of_the_serving_generation(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        w.plans += [Plan(), Plan(exit_at_s=2.0), Plan(exit_at_s=2.0), Plan(exit_at_s=2.0), Plan()]
+        await w.run_until(lambda: w.number >= 4 and w.drivers[0].state is S.SERVING)
+        for _ in range(20):
+            await w.step()
+        assert w.number == 4, "a standby was started again after three were lost in a row"
+        assert not w.books.failures.total and w.drivers[0].current.number == 1
+        assert all(w.gen(n).ended and w.gen(n).end_reason[1] is EndClass.SCHEDULED for n in (2, 3, 4))
+
+    run(tmp_path, scenario, standby_cfg())
+
+
+def test_no_standby_without_room_for_it(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        w.fit = MemoryFit(host_available_mb=2 * GIB, host_footprint_mb=3 * GIB, parked_mb=1.5 * GIB)
+        await serving(w)
+        for _ in range(10):
+            await w.step()
+        assert w.number == 1 and w.drivers[0].state is S.SERVING
+
+    run(tmp_path, scenario, standby_cfg())

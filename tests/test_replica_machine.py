@@ -1,0 +1,201 @@
+"""The replica's state machine as a table: every (state, event) pair finds a transition or an
+asserted refusal, and every transition `decide` makes is one the table allows. Pure: views in,
+decisions out, no driver (that is tests/test_replica_driver.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from vllm_guard.core.config import GuardConfig
+from vllm_guard.core.ledger import EndClass
+from vllm_guard.runtime.replica.decide import decide
+from vllm_guard.runtime.replica.machine import (
+    COARSE, FINAL, INITIAL, TRANSITIONS, IllegalTransition, Machine, Recycle, State, Wanted, aggregate, rolling,
+)
+from vllm_guard.runtime.replica.view import (
+    Abandon, Facts, Failure, GenPhase, GenView, HoldCmd, RecycleCmd, ReleaseCmd, ReplicaView, RestartCmd, SpawnFailed,
+    Stop, StopCmd, Tick,
+)
+
+S = State
+NOW = 1000.0
+EVENTS = ["tick", "crash", "hang", "recycle", "restart", "hold", "release", "stop", "stop2", "spawn_failed"]
+
+
+def facts(**kw: object) -> Facts:
+    cfg = GuardConfig()
+    base: dict[str, object] = {"cfg": cfg}
+    base.update(kw)
+    return Facts(**base)  # type: ignore[arg-type]
+
+
+def gen(n: int, phase: GenPhase, **kw: object) -> GenView:
+    base: dict[str, object] = {"number": n, "phase": phase, "spawned_at": NOW - 10, "deadline": NOW + 100}
+    if phase is not GenPhase.BOOTING:
+        base["ready_at"] = NOW - 5
+    base.update(kw)
+    return GenView(**base)  # type: ignore[arg-type]
+
+
+REC = Recycle(reason="max_requests", cls=EndClass.SCHEDULED, strategy="cold", why="test", started_at=NOW - 5,
+              generation=1)
+
+
+def view_of(state: State) -> ReplicaView:
+    """A quiet replica in `state`: nothing has happened, no deadline has passed."""
+    m = Machine(state=state, since=NOW - 1, deadline=NOW + 100, entered=True)
+    f = facts()
+    cur: GenView | None = gen(1, GenPhase.SERVING)
+    nxt: GenView | None = None
+    if state in (S.STARTING, S.PAST_GATE):
+        cur = gen(1, GenPhase.BOOTING, gated=state is S.PAST_GATE)
+    elif state is S.WAITING_TURN:
+        m = replace(m, wanted=Wanted("max_requests", EndClass.SCHEDULED), deferred="replica 1 is recycling")
+        f = facts(others_why="replica 1 is recycling", replicas=2)
+    elif state is S.STANDBY:
+        nxt = gen(2, GenPhase.BOOTING, gated=True, beside=True, standby=True)
+    elif state is S.OVERLAP_STARTING:
+        m, nxt = replace(m, recycle=replace(REC, strategy="overlap")), gen(2, GenPhase.BOOTING, beside=True)
+    elif state is S.GATED_PARKING:
+        m, nxt = replace(m, recycle=replace(REC, strategy="gated")), gen(2, GenPhase.BOOTING, gated=True, beside=True)
+    elif state is S.UNREADY:
+        m = replace(m, recycle=REC)
+    elif state is S.DRAINING:
+        m, cur = replace(m, recycle=REC), gen(1, GenPhase.DRAINING, in_flight=1)
+    elif state in (S.STOPPING, S.FAILING):
+        m, cur = replace(m, recycle=REC if state is S.STOPPING else None), gen(1, GenPhase.STOPPING, alive=(7,))
+    elif state is S.OPENING_GATE:
+        m, cur = replace(m, recycle=replace(REC, strategy="gated")), None
+        nxt = gen(2, GenPhase.BOOTING, gated=True, gate="parked", beside=True)
+        f = facts(nvml=True, gpu_room=False)
+    elif state in (S.BACKOFF, S.HELD, S.EXITING):
+        cur = None
+        if state is S.HELD:
+            f = facts(hold="maintenance")
+    return ReplicaView(machine=m, facts=f, current=cur, successor=nxt)
+
+
+def event_of(name: str, v: ReplicaView) -> tuple[ReplicaView, object]:
+    cur = v.current
+    if name == "crash":  # the API server exits (exit 0 included) / a successor at its gate exits
+        if cur is not None:
+            return replace(v, current=replace(cur, exit_code=0)), Tick()
+        if v.successor is not None:
+            return replace(v, successor=replace(v.successor, exit_code=1)), Tick()
+        return v, Tick()
+    if name == "hang":
+        return (replace(v, current=replace(cur, hang="no token moved")) if cur is not None else v), Tick()
+    if name == "hold":
+        return replace(v, facts=replace(v.facts, hold="maintenance")), HoldCmd("maintenance")
+    if name == "release":
+        return replace(v, facts=replace(v.facts, hold=None)), ReleaseCmd()
+    if name in ("stop", "stop2"):
+        return replace(v, facts=replace(v.facts, stopping=True)), StopCmd(second=name == "stop2")
+    return v, {"tick": Tick(), "recycle": RecycleCmd("operator"), "restart": RestartCmd("stuck"),
+               "spawn_failed": SpawnFailed("no such file")}[name]
+
+
+SAME = "same"
+# what each state does on each event: the next state, or a refusal (with a word of its reason)
+EXPECT: dict[State, dict[str, object]] = {
+    S.STARTING: {"tick": SAME, "crash": S.FAILING, "hang": SAME, "recycle": "still starting",
+                 "restart": S.FAILING, "hold": SAME, "release": SAME, "stop": S.STOPPING, "stop2": S.STOPPING,
+                 "spawn_failed": S.EXITING},
+    S.SERVING: {"tick": SAME, "crash": S.FAILING, "hang": S.FAILING, "recycle": S.UNREADY, "restart": S.FAILING,
+                "hold": SAME, "release": SAME, "stop": S.DRAINING, "stop2": S.DRAINING, "spawn_failed": SAME},
+    S.STANDBY: {"tick": SAME, "crash": S.FAILING, "hang": S.FAILING, "recycle": S.GATED_PARKING,
+                "restart": S.FAILING, "hold": S.SERVING, "release": SAME, "stop": S.DRAINING, "stop2": S.DRAINING,
+                "spawn_failed": SAME},
+    S.WAITING_TURN: {"tick": SAME, "crash": S.FAILING, "hang": S.FAILING, "recycle": "already in progress",
+                     "restart": S.FAILING, "hold": S.SERVING, "release": SAME, "stop": S.DRAINING,
+                     "stop2": S.DRAINING, "spawn_failed": SAME},
+    S.OVERLAP_STARTING: {"tick": SAME, "crash": S.FAILING, "hang": S.FAILING, "recycle": "already in progress",
+                         "restart": S.FAILING, "hold": S.SERVING, "release": SAME, "stop": S.DRAINING,
+                         "stop2": S.DRAINING, "spawn_failed": SAME},
+    S.UNREADY: {"tick": SAME, "crash": S.FAILING, "hang": S.FAILING, "recycle": "already in progress",
+                "restart": S.FAILING, "hold": S.SERVING, "release": SAME, "stop": S.DRAINING, "stop2": S.DRAINING,
+                "spawn_failed": SAME},
+    S.DRAINING: {"tick": SAME, "crash": S.FAILING, "hang": SAME, "recycle": "already in progress",
+                 "restart": S.FAILING, "hold": SAME, "release": SAME, "stop": SAME, "stop2": S.STOPPING,
+                 "spawn_failed": SAME},
+    S.STOPPING: {"tick": SAME, "crash": SAME, "hang": SAME, "recycle": "already in progress",
+                 "restart": "already in progress", "hold": SAME, "release": SAME, "stop": SAME,
+                 "stop2": S.STOPPING, "spawn_failed": S.EXITING},
+    S.OPENING_GATE: {"tick": SAME, "crash": S.STARTING, "hang": SAME, "recycle": "already in progress",
+                     "restart": "already in progress", "hold": SAME, "release": SAME, "stop": S.EXITING,
+                     "stop2": S.EXITING, "spawn_failed": S.EXITING},
+    S.FAILING: {"tick": SAME, "crash": SAME, "hang": SAME, "recycle": "being stopped", "restart": "being stopped",
+                "hold": SAME, "release": SAME, "stop": SAME, "stop2": SAME, "spawn_failed": S.EXITING},
+    S.BACKOFF: {"tick": SAME, "crash": SAME, "hang": SAME, "recycle": "backing off", "restart": "backing off",
+                "hold": S.HELD, "release": SAME, "stop": S.EXITING, "stop2": S.EXITING, "spawn_failed": S.EXITING},
+    S.HELD: {"tick": SAME, "crash": SAME, "hang": SAME, "recycle": "held", "restart": "held", "hold": SAME,
+             "release": S.STARTING, "stop": S.EXITING, "stop2": S.EXITING, "spawn_failed": S.EXITING},
+    S.EXITING: {"tick": SAME, "crash": SAME, "hang": SAME, "recycle": "shutting down", "restart": "shutting down",
+                "hold": SAME, "release": SAME, "stop": SAME, "stop2": SAME, "spawn_failed": SAME},
+}
+EXPECT[S.PAST_GATE] = {**EXPECT[S.STARTING], "spawn_failed": SAME}  # nothing is spawned there
+EXPECT[S.GATED_PARKING] = dict(EXPECT[S.OVERLAP_STARTING])
+
+
+def test_the_table_covers_every_state_and_event() -> None:
+    assert set(EXPECT) == set(State)
+    assert all(set(row) == set(EVENTS) for row in EXPECT.values())
+
+
+@pytest.mark.parametrize("state", list(State), ids=lambda s: s.value)
+@pytest.mark.parametrize("name", EVENTS)
+def test_every_state_and_event_is_a_transition_or_an_asserted_refusal(state: State, name: str) -> None:
+    v, event = event_of(name, view_of(state))
+    d = decide(v, event, NOW)  # type: ignore[arg-type]
+    want = EXPECT[state][name]
+    if not isinstance(want, State) and want != SAME:
+        assert d.reply is not None and not d.reply.accepted and want in d.reply.detail, d
+        assert d.machine == v.machine, "a refused command changed the machine"
+        return
+    new = state if want == SAME else want
+    assert d.machine.state is new, (d.machine.state, d.effects)
+    if new is not state:
+        assert new in TRANSITIONS[state]
+    if name in ("recycle", "restart", "hold", "release"):
+        assert d.reply is not None and d.reply.accepted, d.reply
+
+
+def test_a_crash_is_recorded_and_killed_in_every_state_with_a_serving_generation() -> None:
+    for state in (S.SERVING, S.WAITING_TURN, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY, S.DRAINING):
+        v, e = event_of("crash", view_of(state))
+        d = decide(v, e, NOW)  # type: ignore[arg-type]
+        fails = [x for x in d.effects if isinstance(x, Failure)]
+        stops = [x for x in d.effects if isinstance(x, Stop)]
+        assert [f.kind for f in fails] == ["crash"] and stops[0].kill, (state, d.effects)
+        assert not [x for x in d.effects if isinstance(x, Abandon)], "a starting successor is kept to take over"
+
+
+def test_the_first_look_starts_or_holds() -> None:
+    fresh = ReplicaView(machine=Machine(), facts=facts())
+    assert decide(fresh, Tick(), NOW).machine.state is S.STARTING
+    assert decide(replace(fresh, facts=facts(hold="x")), Tick(), NOW).machine.state is S.HELD
+    assert decide(replace(fresh, facts=facts(stopping=True)), Tick(), NOW).machine.state is S.EXITING
+
+
+def test_transitions_outside_the_table_raise() -> None:
+    m = Machine(state=S.SERVING, entered=True)
+    with pytest.raises(IllegalTransition, match="serving -> starting"):
+        m.to(S.STARTING, NOW)
+    with pytest.raises(IllegalTransition):
+        Machine().to(S.SERVING, NOW)
+    assert INITIAL <= set(State) and FINAL == {S.EXITING} and TRANSITIONS[S.EXITING] == frozenset()
+
+
+def test_every_state_has_a_coarse_state_and_the_aggregate_prefers_serving() -> None:
+    assert set(COARSE) == set(State)
+    assert aggregate([S.STOPPING, S.UNREADY]).value == "serving"
+    assert aggregate([S.BACKOFF, S.OPENING_GATE]).value == "stopping"
+
+
+def test_the_rolling_rule() -> None:
+    assert rolling(0, [S.SERVING, S.SERVING], [False, False]) is None
+    assert rolling(0, [S.SERVING, S.SERVING], [False, True]) == "replica 1 is recycling"
+    assert rolling(0, [S.SERVING, S.BACKOFF], [False, False]) == "replica 1 is backoff"
+    assert rolling(1, [S.SERVING, S.STARTING], [False, False]) is None  # itself does not count

