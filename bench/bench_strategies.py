@@ -332,6 +332,7 @@ def ratios(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def writer(path: Path, out: dict[str, Any]) -> Any:
+    path.parent.mkdir(parents=True, exist_ok=True)
     def save() -> None:
         out["summary"] = ratios(out)
         tmp = path.with_suffix(".tmp")
