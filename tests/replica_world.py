@@ -241,10 +241,14 @@ class World:
                 ready_s = s.plan.beside_ready_s if g.beside and s.plan.beside_ready_s is not None else s.plan.ready_s
                 if age >= ready_s:
                     g.note_ready(self.now)
+            elif g.gate_report is None and age >= s.plan.park_s and s.plan.gate == "parked" \
+                    and plugin.gate_is_open(g.gate):
+                s.opened = self.now  # opened before it got there: it says `opened` at once and goes on
+                g.note_gate(GateReport(state="opened", pid=b.pid, at="now"))
             elif g.gate_report is None and age >= s.plan.park_s:
                 g.note_gate(GateReport(state=s.plan.gate, pid=b.pid, at="now",
                                        reason="simulated: cannot park" if s.plan.gate == "skipped" else ""))
-            elif s.opened is None and plugin.gate_is_open(g.gate):
+            elif s.opened is None and g.gate_report is not None and plugin.gate_is_open(g.gate):
                 s.opened = self.now
                 g.note_gate(GateReport(state="opened", pid=b.pid, at="now"))
             elif s.opened is not None and self.now - s.opened >= s.plan.after_gate_s:

@@ -415,6 +415,35 @@ def test_a_standby_that_dies_is_replaced_and_is_no_failure_of_the_serving_genera
     run(tmp_path, scenario, standby_cfg())
 
 
+def test_an_overlap_recycle_that_opened_a_booting_standbys_gate_takes_it_once_the_old_one_is_gone(
+        tmp_path: Path) -> None:
+    """A recycle begins while the standby still boots toward its gate: overlap opens the gate at
+    once, the request limit's overrun runs out, the old generation drains and stops. The standby
+    then arrives at a gate already open and goes on (`opened`, never `parked`): the replica waits
+    for it to be ready, not for a park that never comes (it waited out `gate_timeout`, then
+    started cold, 5.6 minutes without service in `make demo`)."""
+    c = standby_cfg()
+    c.recycle.max_requests = 100
+    c.recycle.max_requests_overrun = 0.5
+
+    async def scenario(w: World) -> None:
+        w.plans += [Plan(), Plan(park_s=60.0, after_gate_s=2.0)]
+        await w.run_until(lambda: w.drivers[0].state is S.STANDBY)
+        t = w.drivers[0].current.target
+        t.dispatched = 100
+        await w.step()
+        assert w.drivers[0].state is S.OVERLAP_STARTING and w.gen(2).gate_report is None
+        t.dispatched = 150  # late: the old one drains while the standby still boots
+        await w.run_until(lambda: w.drivers[0].current is None or w.drivers[0].current.number == 2)
+        took = await w.run_until(lambda: w.drivers[0].state is S.SERVING)
+        assert w.drivers[0].current.number == 2 and w.gen(2).gate_report.state == "opened"
+        assert took < 120.0 < c.server.gate_timeout, "waited for a park that never comes"
+        assert not w.books.failures.total and w.number in (2, 3)
+        assert S.OPENING_GATE not in w.states()[-4:], w.states()
+
+    run(tmp_path, scenario, c)
+
+
 def test_no_standby_without_room_for_it(tmp_path: Path) -> None:
     async def scenario(w: World) -> None:
         w.fit = MemoryFit(host_available_mb=2 * GIB, host_footprint_mb=3 * GIB, parked_mb=1.5 * GIB)

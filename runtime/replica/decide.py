@@ -276,8 +276,9 @@ def _since(v: ReplicaView, nxt: GenView) -> float:
 
 
 def _past_gate(g: GenView) -> bool:
-    """A successor that boots on by itself: ungated, or its gate already opened."""
-    return not g.gated or g.gate == "opened"
+    """A successor that boots on by itself: ungated, or its gate already opened (by the runtime,
+    perhaps before the engine reached it: an overlap recycle opens a standby's gate at once)."""
+    return not g.gated or g.gate == "opened" or g.gate_open
 
 
 def _overlap_starting(v: ReplicaView, now: float, out: _Out) -> None:
@@ -405,6 +406,9 @@ def _opening_gate(v: ReplicaView, now: float, out: _Out) -> None:
         out.add(LearnGate(nxt.gate_reason), Abandon(f"gated pre-start unavailable: {nxt.gate_reason}"))
         _note_fallback(v, out, f"gated pre-start unavailable: {nxt.gate_reason}")
         _start_cold(v, now, out, Strategy.COLD.value)
+    elif _past_gate(nxt):  # its gate was opened before it parked there: it is starting
+        out.add(Promote())
+        out.to(S.PAST_GATE, now, max(1.0, nxt.spawned_at + f.cfg.server.startup_timeout - now))
     elif nxt.gate == "parked":
         waited = v.machine.age(now)
         if f.nvml and f.gpu_room is not True:

@@ -246,6 +246,7 @@ class ReplicaDriver:
         gen = self._find(e.generation)
         if gen.gate is not None:
             await asyncio.to_thread(plugin.open_gate, gen.gate)
+            gen.gate_open = True
             gen.mark("gate_opened", self.clock())
         return None
 

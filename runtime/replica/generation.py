@@ -42,6 +42,7 @@ class Generation:
     hang: str | None = None
     dead_engine: int | None = None
     gate_report: GateReport | None = None
+    gate_open: bool = False  # the runtime created its gate's `open` file
     children: list[ChildProcess] = field(default_factory=list)
     engine_pids: list[int] = field(default_factory=list)  # EngineCore and workers, known at ready
     patches: dict[str, PatchProcessReport] = field(default_factory=dict)
@@ -78,6 +79,7 @@ class Generation:
             number=self.number, phase=self.phase, spawned_at=self.spawned_mono, gated=self.gate is not None,
             beside=self.beside, standby=self.standby, ready_at=self.ready_mono, exit_code=b.returncode, engine_dead=self.dead_engine,
             hang=self.hang, gate=g.state if g is not None else None, gate_reason=g.reason if g is not None else "",
+            gate_open=self.gate_open,
             in_flight=t.in_flight, requests=t.toward_limit, served=t.dispatched, inherited=t.inherited,
             limit=t.limit, idle_for=idle, growth=self.growth, to_limit_s=self.to_limit_s, fit=self.fit,
             deadline=self.deadline, kill_sent=self.kill_sent, stop_mark=self.stop_mark, gone=self.gone,

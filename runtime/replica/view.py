@@ -49,6 +49,7 @@ class GenView:
     hang: str | None = None  # the probe's verdict, why it is hung
     gate: str | None = None  # its gate report: parked | opened | skipped | timed_out; None: none yet
     gate_reason: str = ""
+    gate_open: bool = False  # the runtime opened its gate: it goes on, parked or not yet there
     in_flight: int = 0
     requests: int = 0  # counted requests toward its limit (its inherited backlog excluded)
     served: int = 0  # every counted request it took
