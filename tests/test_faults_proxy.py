@@ -402,6 +402,25 @@ def test_slowloris_connections_are_closed_at_the_header_timeout_and_serving_goes
     run(tmp_path, scenario, header_timeout=2)
 
 
+def test_a_stalled_event_loop_does_not_cut_a_client_that_sent_its_headers_in_time(tmp_path: Path) -> None:
+    """The runtime's loop stops for longer than the header timeout right after a client sent its
+    whole request (a starved box: the loop not scheduled for 13.7 s was seen under a CPU hog).
+    When the loop runs again its header timer is late and fires before the loop has read the
+    request (uvloop runs timers before it polls): the client is answered, not cut."""
+    async def scenario(rig: Rig) -> None:
+        await rig.target()
+        r, w = await asyncio.open_connection("127.0.0.1", rig.proxy.cfg.port)
+        await asyncio.sleep(0.2)  # the guard has the connection, and its header timer runs
+        w.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        time.sleep(2.5)  # the loop (the guard's and this client's) does not run: 2.5 x the header timeout
+        answer = await asyncio.wait_for(r.read(), 10)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert rig.proxy.gate.header_timeouts == 0
+        w.close()
+
+    run(tmp_path, scenario, header_timeout=1)
+
+
 def test_at_the_connection_cap_idle_connections_make_room_and_busy_ones_get_503(tmp_path: Path) -> None:
     async def scenario(rig: Rig) -> None:
         await rig.target()

@@ -13,7 +13,10 @@ protocol, one `Conn` per connection:
   still sending headers) is closed to make room; if every connection has a request in
   progress, the newcomer gets a 503 with Retry-After and is closed;
 - a new connection that has not completed its request headers within `header_timeout` is
-  closed (slowloris); aiohttp's keep-alive timeout (`[server] idle_timeout`) closes kept-alive
+  closed (slowloris) — counted in the runtime's own time: when its event loop did not run (a
+  starved box), the timer fires late, before the loop has read what the client sent meanwhile
+  (uvloop runs timers before it polls), so a late timer gives the connection its time again
+  instead of closing it; aiohttp's keep-alive timeout (`[server] idle_timeout`) closes kept-alive
   connections that go quiet, or that start a request and never finish its headers.
 
 The proxy tells the gate when a request starts and ends on a connection (`request_started`,
@@ -33,6 +36,7 @@ import structlog
 log = structlog.get_logger("vllm_guard.proxy")
 
 RESERVE_MIN = 64  # descriptors kept for everything but client connections and their upstreams
+LATE_S = 0.5  # a header timer this late means the loop was not running when it was due
 
 
 def reserve(soft_limit: int) -> int:
@@ -69,6 +73,7 @@ class Conn(asyncio.Protocol):
         self.served = 0
         self.since = time.monotonic()  # connected, or its last request ended
         self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0  # when the header timer should fire (the loop's clock)
 
     # asyncio.Protocol, delegated to aiohttp's handler once admitted
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -77,7 +82,7 @@ class Conn(asyncio.Protocol):
         if not self.gate.admit(self):
             return
         self.inner = self._make_inner()
-        self._timer = asyncio.get_running_loop().call_later(self.gate.header_timeout, self._header_timeout)
+        self._arm(self.gate.header_timeout)
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -107,8 +112,17 @@ class Conn(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def _arm(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._due = loop.time() + delay
+        self._timer = loop.call_later(delay, self._header_timeout)
+
     def _header_timeout(self) -> None:
         self._timer = None
+        late = asyncio.get_running_loop().time() - self._due
+        if late > LATE_S and self.busy == 0 and self.served == 0:
+            self._arm(min(late, self.gate.header_timeout))  # the loop was stalled, not the client
+            return
         if self.busy == 0 and self.served == 0 and self.transport is not None:
             self.gate.header_timeouts += 1
             log.info("connection_header_timeout", timeout_s=self.gate.header_timeout)
