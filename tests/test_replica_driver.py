@@ -402,6 +402,40 @@ def test_a_recycle_uses_the_parked_standby_instead_of_a_new_start(tmp_path: Path
     run(tmp_path, scenario, standby_cfg())
 
 
+def test_a_cold_recycle_asked_for_sets_the_parked_standby_aside_and_starts_from_scratch(tmp_path: Path) -> None:
+    """`recycle --strategy cold` is obeyed with a standby parked: the standby is stopped, the old
+    generation drains and stops, and the next one starts cold (it had become a gated recycle)."""
+    async def scenario(w: World) -> None:
+        await w.run_until(lambda: w.number >= 2 and w.gen(2).gate_report is not None)
+        assert w.gen(2).gate_report.state == "parked"
+        d = await w.command(RecycleCmd("test", strategy="cold"))
+        assert d.reply.accepted
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 3)
+        assert w.gen(2).ended and w.gen(2).end_reason[1] is EndClass.SCHEDULED
+        assert w.gen(2).gate_report.state == "parked", "the set-aside standby's gate was opened"
+        assert S.OPENING_GATE not in w.states() and w.states()[-4:] == [S.DRAINING, S.STOPPING, S.STARTING,
+                                                                         S.SERVING]
+        (rec,) = list(w.books.recycles)
+        assert rec.strategy == "cold"
+        assert not w.books.failures.total
+        await w.run_until(lambda: w.drivers[0].state is S.STANDBY and w.number == 4)  # a new standby after it
+
+    run(tmp_path, scenario, standby_cfg())
+
+
+def test_configured_cold_recycles_keep_no_standby(tmp_path: Path) -> None:
+    c = standby_cfg()
+    c.server.recycle_strategy = "cold"  # type: ignore[assignment]
+
+    async def scenario(w: World) -> None:
+        await serving(w)
+        for _ in range(30):
+            await w.step()
+        assert w.number == 1 and w.drivers[0].state is S.SERVING
+
+    run(tmp_path, scenario, c)
+
+
 def test_a_standby_that_dies_is_replaced_and_is_no_failure_of_the_serving_generation(tmp_path: Path) -> None:
     async def scenario(w: World) -> None:
         w.plans += [Plan(), Plan(exit_at_s=2.0), Plan(exit_at_s=2.0), Plan(exit_at_s=2.0), Plan()]

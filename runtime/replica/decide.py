@@ -198,6 +198,8 @@ def _standby_wanted(v: ReplicaView) -> bool:
     f, cur = v.facts, v.current
     if f.cfg.server.standby != "auto" or f.gate_unavailable or f.standby_failures >= STANDBY_TRIES:
         return False
+    if f.cfg.server.recycle_strategy == Strategy.COLD.value:
+        return False  # cold recycles asked for: one vLLM at a time, nothing pre-started
     if cur is None or cur.fit is None:
         return False  # no memory reading of the serving generation yet
     return gated_fits(cur.fit)[0]
@@ -524,6 +526,11 @@ def _begin(v: ReplicaView, now: float, out: _Out, reason: str, cls: EndClass, st
     rec = Recycle(reason=reason, cls=cls, strategy=choice.strategy.value, why=choice.reason, started_at=now,
                   generation=cur.number, successor_deadline=_successor_deadline(v, reason, now))
     nxt = v.successor  # a standby: it takes over instead of a new start
+    if nxt is not None and choice.strategy is Strategy.COLD and (strategy or f.cfg.server.recycle_strategy) == "cold":
+        # cold asked for (by the command or the config): obeyed, one vLLM at a time from scratch
+        out.add(Abandon(f"a cold recycle was asked for; standby generation {nxt.number} is set aside"),
+                log("standby_set_aside", replica=f.index, generation=nxt.number, why="cold recycle asked for"))
+        nxt = None
     if nxt is not None and choice.strategy is not Strategy.OVERLAP:
         rec = replace(rec, strategy=Strategy.GATED.value,
                       why=f"{choice.reason}; the parked standby (generation {nxt.number}) takes over")
