@@ -37,3 +37,16 @@ def test_lines_that_say_nothing_of_a_phase_change_nothing() -> None:
     a = Anatomy(spawned=0.0)
     a.feed("(EngineCore pid=7) INFO [ompmultiprocessing.py:185] local_rank=0, core ids=[0]\n", 5.0)
     assert a.phases() == [("spawned", 0.0)] and a.after("gate_opened") == []
+
+
+def test_health_is_asked_often_once_the_engine_is_up_and_seldom_before() -> None:
+    """After the gate, /health polled once a second cost up to a second of the recycle's gap
+    (`api_up` to `health_ok` 0.2-0.8 s on the H200): once vLLM logs its engine up, ask often."""
+    from vllm_guard.runtime.replica.monitors import HEALTH_EVERY_S, HEALTH_SOON_S, health_every_s
+    a = Anatomy(spawned=0.0)
+    assert health_every_s(None) == HEALTH_EVERY_S
+    for i, line in enumerate(LOG.splitlines(keepends=True)[:5]):  # up to the CUDA graphs
+        a.feed(line, 1.0 + i)
+        assert health_every_s(a) == HEALTH_EVERY_S
+    a.feed(LOG.splitlines(keepends=True)[5], 7.0)  # "init engine ... took"
+    assert health_every_s(a) == HEALTH_SOON_S <= 0.1
