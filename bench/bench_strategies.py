@@ -243,10 +243,11 @@ class Plan:
 
 
 async def scenario(p: Plan, root: Path, model: str, vllm_args: list[str], env: dict[str, str], max_tokens: int,
-                   deadline: float, out: dict[str, Any], save: Any, start_timeout: float = 900) -> None:
+                   deadline: float, out: dict[str, Any], save: Any, start_timeout: float = 900,
+                   guard_args: list[str] | None = None) -> None:
     res: dict[str, Any] = {"strategy": p.strategy, "replicas": p.replicas, "rate": p.rate, "recycles": []}
     out[p.name] = res
-    args = ["--replicas", str(p.replicas)]
+    args = ["--replicas", str(p.replicas), *(guard_args or [])]
     if p.strategy is not None:
         args += ["--recycle-strategy", p.strategy]
     g = Guard(p.name, root, model, args, vllm_args, env)
@@ -384,11 +385,13 @@ async def gpu(a: argparse.Namespace) -> None:
     root = Path(a.work)
     vargs = [*GPU_VLLM, "--tokenizer", a.tokenizer]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0", "TOKENIZERS_PARALLELISM": "false"}
+    guard_args = [] if a.standby is None else ["--standby", a.standby]
+    out["standby"] = a.standby or "the config's (auto)"
     plans = [Plan("cold", "cold", recycles=1, rate=1.0, settle_s=5, recycle_s=100),
              Plan("gated", "gated", recycles=2, rate=1.0, settle_s=5, recycle_s=100),
              Plan("overlap", "overlap", recycles=2, rate=a.rate, baseline_s=40, settle_s=10, recycle_s=100)]
     await asyncio.gather(*(scenario(p, root, a.model, vargs, env, a.max_tokens, deadline, out, save,
-                                    start_timeout=300) for p in plans))
+                                    start_timeout=300, guard_args=guard_args) for p in plans))
     out["finished"] = time.strftime("%FT%TZ", time.gmtime())
     save()
 
@@ -415,6 +418,9 @@ def main() -> None:
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--deadline", type=float, default=420.0, help="seconds; no recycle starts after it")
     g.add_argument("--work", default="/tmp/bench-strategies")
+    g.add_argument("--standby", choices=["auto", "off"], default=None,
+                   help="[server] standby for every guard (default: the config's, auto); off compares with runs "
+                        "made before the standby existed")
     g.add_argument("--out", required=True)
     a = ap.parse_args()
     asyncio.run(cpu(a) if a.variant == "cpu" else gpu(a))

@@ -225,6 +225,8 @@ def run_scenario(name: str, a: argparse.Namespace, root: Path) -> dict[str, Any]
             args += ["--replicas", str(sc["replicas"])]
         if sc.get("strategy"):
             args += ["--recycle-strategy", sc["strategy"]]
+        if a.standby is not None:
+            args += ["--standby", a.standby]
         proc = subprocess.Popen([*args, "--", "--tokenizer", a.tokenizer, *vargs], stdout=log,
                                 stderr=subprocess.STDOUT)
         while not serving(state):
@@ -301,6 +303,8 @@ def main() -> int:
                    help="where each scenario's state dir goes (default: a new temporary directory)")
     p.add_argument("--overrun", type=float, default=None,
                    help="[recycle] max_requests_overrun for the guarded scenarios (default: the config's, 0.5)")
+    p.add_argument("--standby", choices=["auto", "off"], default=None,
+                   help="[server] standby for the guarded scenarios (default: the config's, auto)")
     a = p.parse_args()
     a.tokenizer = a.tokenizer or a.model
     a.state_root = a.state_root or tempfile.mkdtemp(prefix="gpu-serving-")
