@@ -227,6 +227,7 @@ def run_scenario(name: str, a: argparse.Namespace, root: Path) -> dict[str, Any]
             args += ["--recycle-strategy", sc["strategy"]]
         if a.standby is not None:
             args += ["--standby", a.standby]
+        args += a.serve_args.split()
         proc = subprocess.Popen([*args, "--", "--tokenizer", a.tokenizer, *vargs], stdout=log,
                                 stderr=subprocess.STDOUT)
         while not serving(state):
@@ -305,6 +306,7 @@ def main() -> int:
                    help="[recycle] max_requests_overrun for the guarded scenarios (default: the config's, 0.5)")
     p.add_argument("--standby", choices=["auto", "off"], default=None,
                    help="[server] standby for the guarded scenarios (default: the config's, auto)")
+    p.add_argument("--serve-args", default="", help="more `vllm-guard serve` flags for the guarded scenarios, one string")
     a = p.parse_args()
     a.tokenizer = a.tokenizer or a.model
     a.state_root = a.state_root or tempfile.mkdtemp(prefix="gpu-serving-")
