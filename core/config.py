@@ -198,6 +198,10 @@ class ServerConfig:
     # auto: once a generation serves, its next one starts and parks at the startup gate while host RAM
     # allows (a crash then restarts from the gate; a recycle uses it); off: none
     standby: str = _f("auto", choices=("auto", "off"))
+    # on: a generation that parks at its startup gate (gated, the standby) first reads the model's
+    # safetensors into host memory (pinned on a GPU) and creates its CUDA context; vLLM then loads
+    # the weights from that copy after the gate. Costs the weights' size in RAM per parked generation
+    prestage_weights: str = _f("off", choices=("off", "on"))
     replicas: int = _f(1, min=1, max=64)  # vLLM servers behind the one proxy (one per GPU or TP group)
     gpus: list[str] = _f([], check=_gpu_selectors)  # GPU indexes or UUIDs, one replica per GPU / TP group
 
@@ -308,7 +312,7 @@ class LedgerConfig:
 
 
 PATCH_IDS = ("kv-block-audit", "idle-release", "allocator-settings", "fault-injection", "add-request-abort",
-             "block-ids-drain", "startup-gate")
+             "block-ids-drain", "startup-gate", "prestaged-weights")
 
 
 @dataclass(frozen=True)

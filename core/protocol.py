@@ -269,6 +269,18 @@ class ReplicaStatus(_Model):
     start_phases: list[StartPhase] = Field(default_factory=list)  # where its current generation's start went
 
 
+class PrestageReport(_Model):
+    """What a parked EngineCore read into host memory before its gate (`[server] prestage_weights`)."""
+
+    model_dir: str
+    files: list[str] = Field(default_factory=list)  # file names staged (empty when it failed)
+    bytes: int = 0
+    seconds: float = 0.0
+    pinned: bool = False  # page-locked (CUDA) host memory, else plain
+    cuda_context: bool = False  # this process has a CUDA context now (made by the pinning)
+    error: str = ""  # why nothing is staged (the engine parks and loads from disk as before)
+
+
 class GateReport(_Model):
     """What a gated generation's EngineCore says at its startup gate (`core.plugin.read_gate`)."""
 
@@ -279,6 +291,7 @@ class GateReport(_Model):
     vllm_version: str = "unknown"
     where: str = ""  # the vLLM function that loaded the plugin (EngineCore.__init__ expected)
     waited_s: float | None = None
+    prestage: PrestageReport | None = None  # only when the runtime asked for prestaged weights
 
 
 class StatusSnapshot(_Model):

@@ -49,6 +49,28 @@ T_INIT_DEVICE = Anchor("vllm.v1.worker.gpu_worker", "Worker", "init_device")
 T_ENGINE_INIT = Anchor(CORE, "EngineCore", "__init__", ("vllm_config", "executor_class"),
                        calls=("load_general_plugins", "executor_class"))
 
+# Weight loading, for prestaged weights: the default loader calls the module-level
+# safetensors_weights_iterator (imported by name into default_loader), which sorts the files
+# with _natural_sort_key and reads each with safe_open in keys() order, skipping other ranks'
+# experts (should_skip_weight). Read in 0.25.1 and 0.32.0 (the same function in both).
+WU = "vllm.model_executor.model_loader.weight_utils"
+DL = "vllm.model_executor.model_loader.default_loader"
+T_ST_ITER = Anchor(WU, "", "safetensors_weights_iterator",
+                   ("hf_weights_files", "use_tqdm_on_load", "safetensors_load_strategy", "local_expert_ids"),
+                   calls=("sorted", "safe_open", "keys", "get_tensor"))
+T_SORT_KEY = Anchor(WU, "", "_natural_sort_key", ("filepath",))
+T_SKIP = Anchor("vllm.model_executor.model_loader.ep_weight_filter", "", "should_skip_weight",
+                ("weight_name", "local_expert_ids"))
+T_LOADER_ITER = Anchor(DL, "DefaultModelLoader", "_get_weights_iterator", ("source",),
+                       calls=("safetensors_weights_iterator",))
+# (0.32.0 wraps load_weights in its tracing decorator: the live signature is (*args, **kwargs))
+T_LOADER_LOAD = Anchor(DL, "DefaultModelLoader", "load_weights")
+# Whatever loaded the weights (another loader, a worker process), the engine builds its KV cache
+# after the executor: the last moment prestaged buffers can matter.
+T_KV_INIT = Anchor(CORE, "EngineCore", "__init__", ("vllm_config", "executor_class"),
+                   calls=("load_general_plugins", "executor_class", "_initialize_kv_caches"))
+T_KV_METHOD = Anchor(CORE, "EngineCore", "_initialize_kv_caches")  # traced in 0.32.0: (*args, **kwargs)
+
 KV_BLOCK_AUDIT = PatchDef(
     id="kv-block-audit",
     fixes="lost KV block references: blocks held in req_to_blocks or by ref count for no live request "
@@ -116,7 +138,21 @@ STARTUP_GATE = PatchDef(
     targets=(T_ENGINE_INIT,),
 )
 
-ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION, ADD_REQUEST_ABORT, BLOCK_IDS_DRAIN, STARTUP_GATE)
+PRESTAGED_WEIGHTS = PatchDef(
+    id="prestaged-weights",
+    fixes="the weight copy after a gated generation's gate: the model's safetensors read from the page "
+          "cache and, on a GPU, a CUDA context created only once the gate opens (off by default: "
+          "[server] prestage_weights)",
+    summary="only for a gated generation with VLLM_GUARD_PRESTAGE: before it parks, EngineCore reads the "
+            "model's safetensors into one host buffer per file (pinned where CUDA is available); "
+            "safetensors_weights_iterator then yields zero-copy views of them in vLLM's own order and "
+            "frees each file's buffer once read; what is left is freed when weight loading ends",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("engine_core",),
+    targets=(T_ST_ITER, T_SORT_KEY, T_SKIP, T_LOADER_ITER, T_LOADER_LOAD, T_KV_INIT, T_KV_METHOD),
+)
+
+ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION, ADD_REQUEST_ABORT, BLOCK_IDS_DRAIN, STARTUP_GATE,
+       PRESTAGED_WEIGHTS)
 
 # Targets a role actually touches (a worker never sees the scheduler, and so on).
 ROLE_TARGETS: dict[tuple[str, str], tuple[Anchor, ...]] = {

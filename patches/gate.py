@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 from vllm_guard.core import plugin as contract
 from vllm_guard.core.timefmt import utcnow
@@ -67,9 +67,17 @@ def caller() -> str:
     return f"{f.filename.split('/vllm/', 1)[1]}:{f.lineno} {f.name}"
 
 
+_NOTES: dict[str, Any] = {}  # said with every later state (what was prestaged before parking)
+
+
+def note_prestage(record: dict[str, Any]) -> None:
+    """What this engine staged before parking (`patches.prestage`): part of each state it writes."""
+    _NOTES["prestage"] = record
+
+
 def _say(gate: Path, state: str, version: str, reason: str = "", waited: float | None = None) -> None:
     data = {"state": state, "pid": os.getpid(), "at": utcnow(), "reason": reason, "vllm_version": version,
-            "where": caller(), "waited_s": None if waited is None else round(waited, 3)}
+            "where": caller(), "waited_s": None if waited is None else round(waited, 3), **_NOTES}
     try:
         write_json_atomic(gate / contract.GATE_STATE, data)
     except OSError:

@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from vllm_guard.core import plugin as contract
@@ -66,7 +67,7 @@ class Plugin:
             "kv-block-audit": self._audit, "idle-release": self._idle,
             "allocator-settings": self._allocator, "fault-injection": self._inject,
             "add-request-abort": self._add_request_abort, "block-ids-drain": self._block_ids_drain,
-            "startup-gate": self._gate,
+            "startup-gate": self._gate, "prestaged-weights": self._prestage,
         }
         for defn in defs.ALL:
             self.states[defn.id] = self._apply_one(defn, appliers[defn.id])
@@ -187,9 +188,37 @@ class Plugin:
             raise _Skip("CUDA is already initialized in this process: parking would hold GPU memory")
         return f"parks at {where} until the runtime opens it"
 
+    def _prestage(self) -> str:
+        from . import gate, prestage
+
+        if gate.requested() is None or prestage.requested() is None:
+            raise _Skip("not asked (no VLLM_GUARD_PRESTAGE in a gated generation)")
+        patch = prestage.PrestagedWeights(prestage.STORE, self.write)
+        patch.install()
+        self.parts["prestaged-weights"] = patch
+        return ("safetensors_weights_iterator serves the files staged before the gate; each buffer freed once "
+                "read, any left when weight loading ends")
+
+    def prestage_before_park(self, where: Path, model_dir: Path) -> None:
+        """Stage the weights before parking (the CUDA context this makes is ours: any other one
+        is refused first, as at every gate); a failure only means loading from disk later."""
+        from . import gate, prestage
+
+        if gate.cuda_initialized():
+            gate.refuse(where, "CUDA is already initialized in this process: parking would hold GPU memory",
+                        self.version)
+        st = self.states.get("prestaged-weights", {})
+        if st.get("state") == "applied":
+            record = prestage.stage(model_dir)
+        else:
+            record = {"model_dir": str(model_dir),
+                      "error": f"the prestaged-weights patch is not applied: {st.get('reason') or 'unknown'}"}
+        gate.note_prestage(record)
+        self.write()
+
     def pass_gate(self) -> None:
         """A gated generation's EngineCore: park (the gate patch applied) or refuse and exit."""
-        from . import gate
+        from . import gate, prestage
 
         where = gate.requested()
         if where is None or self.role != "engine_core":
@@ -197,6 +226,9 @@ class Plugin:
         st = self.states.get("startup-gate", {})
         if st.get("state") != "applied":
             gate.refuse(where, str(st.get("reason") or "the startup-gate patch did not apply"), self.version)
+        model_dir = prestage.requested()
+        if model_dir is not None:
+            self.prestage_before_park(where, model_dir)
         waited = gate.park(where, gate.timeout_s(), self.version)
         self.states["startup-gate"] = {"state": "applied", "reason": f"parked {waited:.1f}s, then opened"}
         self.write()

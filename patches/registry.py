@@ -25,7 +25,8 @@ ROLES = ("api_server", "engine_core", "worker")
 
 @dataclass(frozen=True)
 class Anchor:
-    """Where a patch anchors in vLLM: one class (and optionally one method) it relies on."""
+    """Where a patch anchors in vLLM: one class (and optionally one method) it relies on; with
+    `cls` empty, `method` is a module-level function."""
 
     module: str
     cls: str
@@ -37,7 +38,7 @@ class Anchor:
     absent: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        name = f"{self.module}.{self.cls}"
+        name = f"{self.module}.{self.cls}" if self.cls else self.module
         if self.method:
             name += f".{self.method}({', '.join(self.params)})"
         if self.attrs:
@@ -167,15 +168,35 @@ def module_file(root: Path, module: str) -> Path:
     return f if f.exists() else root.joinpath(*parts, "__init__.py")
 
 
+def _function_check(fn: ast.AST | None, t: Anchor, params: list[str] | None) -> str | None:
+    """A module-level function target (`cls` empty): it exists, takes `params`, makes `calls`."""
+    where = f"{t.module}.{t.method}"
+    if fn is None or params is None:
+        return f"function {where} not found"
+    missing = [p for p in t.params if p not in params]
+    if missing:
+        return f"{where}({', '.join(params)}) lacks parameter(s) {', '.join(missing)}"
+    return call_order(fn, where, t.calls) if t.calls else None
+
+
+def _module_function(tree: ast.Module, name: str | None) -> ast.FunctionDef | None:
+    return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
 def static_check(root: Path, t: Anchor) -> str | None:
     """None when the target has the expected shape in the tree at `root`, else the reason."""
     f = module_file(root, t.module)
     if not f.exists():
         return f"module {t.module} not found"
     try:
-        classes = _classes(_parse(str(f)))
+        tree = _parse(str(f))
     except SyntaxError as e:
         return f"module {t.module} does not parse: {e}"
+    if not t.cls:
+        fn = _module_function(tree, t.method)
+        a = fn.args if fn is not None else None
+        return _function_check(fn, t, None if a is None else [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)])
+    classes = _classes(tree)
     nodes = _mro(classes, t.cls)
     if not nodes:
         return f"class {t.module}.{t.cls} not found"
@@ -204,6 +225,8 @@ def live_check(t: Anchor) -> str | None:
         mod = importlib.import_module(t.module)
     except Exception as e:  # noqa: BLE001 - any import failure means: skip with the reason
         return f"import {t.module} failed: {type(e).__name__}: {e}"
+    if not t.cls:
+        return _live_function(mod, t)
     cls = getattr(mod, t.cls, None)
     if not inspect.isclass(cls):
         return f"class {t.module}.{t.cls} not found"
@@ -239,6 +262,19 @@ def live_check(t: Anchor) -> str | None:
             return f"{t.cls} has no attribute(s) {', '.join(missing)}"
         return t.fixed_reason(have)
     return None
+
+
+def _live_function(mod: object, t: Anchor) -> str | None:
+    """`live_check` of a module-level function: the live object's signature and source."""
+    fn = getattr(mod, t.method or "", None)
+    if not callable(fn):
+        return f"function {t.module}.{t.method} not found"
+    try:
+        params = list(inspect.signature(fn, follow_wrapped=False).parameters)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))) if t.calls else None
+    except (OSError, TypeError, ValueError, SyntaxError) as e:
+        return f"{t.module}.{t.method}: signature or source not readable ({e})"
+    return _function_check(tree if tree is not None else ast.Module(body=[], type_ignores=[]), t, params)
 
 
 def vllm_root() -> Path | None:
