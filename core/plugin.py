@@ -43,6 +43,9 @@ EVENTS = "events.jsonl"
 INJECT = "inject.jsonl"
 GATE_VAR = "VLLM_GUARD_GATE"  # the generation's gate dir; set only for a gated generation
 GATE_TIMEOUT_VAR = "VLLM_GUARD_GATE_TIMEOUT"  # seconds the engine waits at the gate, then exits
+# the model dir whose safetensors a gated generation's EngineCore reads into host memory before it
+# parks (`[server] prestage_weights = "on"`); set only beside GATE_VAR
+PRESTAGE_VAR = "VLLM_GUARD_PRESTAGE"
 GATE_STATE = "state.json"
 GATE_OPEN = "open"
 
@@ -196,9 +199,23 @@ def gate_dir(state_dir: str | Path, generation: int) -> Path:
     return gen_dir(state_dir, generation) / "gate"
 
 
-def gate_env(env: Mapping[str, str], gate: Path, timeout_s: float) -> dict[str, str]:
-    """The env of a generation that must park at `gate` (at most `timeout_s` seconds)."""
-    return {**env, GATE_VAR: str(gate), GATE_TIMEOUT_VAR: f"{timeout_s:.0f}"}
+def gate_env(env: Mapping[str, str], gate: Path, timeout_s: float, prestage: str | None = None) -> dict[str, str]:
+    """The env of a generation that must park at `gate` (at most `timeout_s` seconds); with
+    `prestage` (a model dir), its engine reads that model's weights into host memory first."""
+    out = {**env, GATE_VAR: str(gate), GATE_TIMEOUT_VAR: f"{timeout_s:.0f}"}
+    if prestage:
+        out[PRESTAGE_VAR] = prestage
+    return out
+
+
+def prestage_applies(vllm_args: Sequence[str]) -> str | None:
+    """Why prestaged weights would go unused with these vLLM args, or None: vLLM loads them in
+    the engine process itself only with one GPU per engine (its `uni` executor); with tensor or
+    pipeline parallelism the workers are separate processes that read the files themselves."""
+    pp = arg_value(vllm_args, "--pipeline-parallel-size") or arg_value(vllm_args, "-pp") or "1"
+    if tensor_parallel_size(vllm_args) > 1 or pp.strip() != "1":
+        return "tensor or pipeline parallel: the workers load the weights in processes of their own"
+    return None
 
 
 def read_gate(gate: Path) -> GateReport | None:

@@ -44,6 +44,9 @@ SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
     "drain_timeout": ("server", "drain_timeout", "how long in-flight requests may finish before a stop (default 2m)"),
     "standby": ("server", "standby", "auto: keep the next generation parked at its startup gate while RAM allows "
                 "(a crash restarts from the gate); off: none (default auto)"),
+    "prestage_weights": ("server", "prestage_weights", "on: a generation parked at its startup gate reads the "
+                         "model's weights into (pinned) host memory first, so less is left after the gate; "
+                         "costs their size in RAM (default off)"),
     "unready_lead": ("server", "unready_lead", "readiness says 503 this long before a cold or gated recycle stops the "
                      "only serving replica (default 10s; 0: none)"),
     "startup_timeout": ("server", "startup_timeout", "how long a generation may take to become ready (default 10m)"),

@@ -27,6 +27,7 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
         ("[server]\nport = true\n", "[server] port has value True"),
         ("[probe]\nfailures = 0\n", "[probe] failures has value 0"),
         ("[server\n", "is not valid TOML"),
+        ("[server]\nprestage_weights = 'yes'\n", "[server] prestage_weights has value 'yes': one of off, on"),
     ],
 )
 def test_bad_config_exits_2_with_one_line_naming_key_and_value(tmp_path: Path, toml: str, needle: str) -> None:
@@ -53,6 +54,7 @@ def test_bad_config_exits_2_with_one_line_naming_key_and_value(tmp_path: Path, t
         (["serve", "--", "--ho", "0.0.0.0"], "'--ho' after -- is owned by the runtime"),  # vLLM expands it
         (["serve", "--", "--enforce-eager\n--host"], "control characters"),
         (["serve", "--max-uptime", "soon"], "max_uptime has value 'soon'"),
+        (["serve", "--prestage-weights", "maybe"], "prestage_weights has value 'maybe': one of off, on"),
         (["status", "--", "x"], "arguments after -- are only for serve"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["serve", "--config", "/nonexistent/guard.toml"], "does not exist"),

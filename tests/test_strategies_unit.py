@@ -3,6 +3,8 @@ out. No server: the real-vLLM behaviour is in tests/test_strategies.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from vllm_guard.core.config import ConfigError, GuardConfig, set_value, validate
@@ -89,6 +91,23 @@ def test_memory_fit_from_a_generation_reading() -> None:
     assert m.gpu_free_mb == pytest.approx(80 * GIB - 21.6 * GIB)  # only this replica's GPU
     assert m.vllm_needs_mb == pytest.approx(0.25 * 80 * GIB)
     assert choose_strategy("auto", m).strategy is Strategy.OVERLAP
+
+
+def test_a_parked_generation_that_prestages_holds_the_models_weights_too(tmp_path: Path) -> None:
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 3 * 2**20)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 2**20)
+    cfg = GuardConfig()
+    reading = MemoryReading(at="t", requests=5, rss_mb=3000.0, uss_mb=None, gpu_mb=None, per_process=[
+        ProcessMemory(pid=1, role=Role.API_SERVER, rss_mb=800.0)])
+    assert replicas.prestage_mb(cfg, str(tmp_path)) == 0.0  # off by default
+    set_value(cfg, "server", "prestage_weights", "on")
+    staged = replicas.prestage_mb(cfg, str(tmp_path))
+    assert staged == 4.0
+    m = replicas.memory_fit(cfg, reading, {}, [], None, host_available_mb=2 * GIB, prestaged_mb=staged)
+    assert m.parked_mb == 1604.0  # an API server, an imported EngineCore, the staged weights
+    assert "a parked generation's 1.6 GiB" in choose_strategy("gated", m).reason
+    set_value(cfg, "server", "vllm_args", ["--tensor-parallel-size", "2"])  # the workers load: nothing staged
+    assert replicas.prestage_mb(cfg, str(tmp_path)) == 0.0
 
 
 # -- the router -----------------------------------------------------------------------------------

@@ -51,6 +51,19 @@ class Launcher:
         self.plans = {p.index: p for p in plans}
         self.next_number = next_number
 
+    def prestage(self, generation: int) -> str | None:
+        """The model dir a parked generation reads its weights from before its gate
+        (`[server] prestage_weights = "on"`), or None; says why when it is on but cannot apply."""
+        if self.cfg.server.prestage_weights != "on":
+            return None
+        why = plugin.prestage_applies(self.cfg.server.vllm_args)
+        if why is None and not Path(self.model).is_dir():
+            why = f"the model {self.model!r} is not a local directory"
+        if why is not None:
+            log.info("prestage_skipped", generation=generation, why=why)
+            return None
+        return str(Path(self.model).resolve())
+
     async def spawn(self, replica: int, strategy: str | None, gated: bool, beside: bool,
                     standby: bool = False) -> Generation:
         """Launch a generation of `replica` (OSError: the interpreter cannot even be run)."""
@@ -59,7 +72,7 @@ class Launcher:
         env.update(self.plans[replica].env())
         gate = plugin.gate_dir(self.state_dir, n) if gated else None
         if gate is not None:
-            env = plugin.gate_env(env, gate, STANDBY_PARK_S if standby else park_limit(s))
+            env = plugin.gate_env(env, gate, STANDBY_PARK_S if standby else park_limit(s), self.prestage(n))
         backend = Backend(generation=n, model=self.model, host=s.backend_host, port=free_port(s.backend_host),
                           vllm_args=list(s.vllm_args), log_path=self.state_dir / "logs" / f"generation-{n}.log",
                           python=self.python, env=env, nice=s.backend_nice)

@@ -28,7 +28,7 @@ from ..child import procs
 from ..child.anatomy import Anatomy
 from ..records.writer import RuntimeLedger
 from .generation import Generation
-from .plan import memory_fit, start_fits
+from .plan import memory_fit, prestage_mb, start_fits
 from .triggers import Growth
 
 if TYPE_CHECKING:
@@ -186,6 +186,7 @@ async def memory_loop(gen: Generation, cfg: GuardConfig, nvml: NvmlSession | Non
     baseline: MemoryReading | None = None
     host_hist: list[tuple[float, float]] = []
     gpu_hist: list[tuple[float, float]] = []
+    staged = await asyncio.to_thread(prestage_mb, cfg, gen.backend.model)
     while True:
         warmed = t.dispatched >= warm
         cur, found, devices, avail = await asyncio.to_thread(_read_all, gen.backend.pid, t.dispatched, nvml)
@@ -198,7 +199,7 @@ async def memory_loop(gen: Generation, cfg: GuardConfig, nvml: NvmlSession | Non
             host_hist = (host_hist + [(now, cur.rss_mb)])[-60:]
             if cur.gpu_mb is not None:
                 gpu_hist = (gpu_hist + [(now, cur.gpu_mb)])[-60:]
-        fit = memory_fit(cfg, cur, devices, gpus, None, avail)
+        fit = memory_fit(cfg, cur, devices, gpus, None, avail, staged)
         limits = [x for x in (forecast(host_hist, avail),
                               forecast(gpu_hist, fit.gpu_free_mb)) if x is not None]
         gen.note_memory(MemoryStatus(warmup_requests=warm, baseline=baseline, current=cur, growth=growth),

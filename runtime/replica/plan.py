@@ -24,6 +24,7 @@ from vllm_guard.core.gpu import select_gpus, visible_uuids
 from vllm_guard.core.host import host_memory
 from vllm_guard.core.protocol import MemoryReading, Role
 from vllm_guard.core.vllm_api import arg_value
+from vllm_guard.core.weightfiles import weights_bytes
 
 from .strategy import MemoryFit
 
@@ -72,17 +73,28 @@ def gpu_utilization(vllm_args: Sequence[str]) -> float:
         return DEFAULT_GPU_UTILIZATION
 
 
+def prestage_mb(cfg: GuardConfig, model: str) -> float:
+    """Host RAM (MiB) a parked generation's prestaged weights hold: the model's safetensors, when
+    `[server] prestage_weights = "on"` and vLLM would load them in its engine; else 0."""
+    if cfg.server.prestage_weights != "on" or plugin.prestage_applies(cfg.server.vllm_args) is not None:
+        return 0.0
+    return weights_bytes(model) / 2**20
+
+
 def memory_fit(cfg: GuardConfig, reading: MemoryReading | None, devices: Mapping[str, tuple[float, float]],
-               uuids: Sequence[str], gate_unavailable: str | None, host_available_mb: float | None = None) -> MemoryFit:
+               uuids: Sequence[str], gate_unavailable: str | None, host_available_mb: float | None = None,
+               prestaged_mb: float = 0.0) -> MemoryFit:
     """Readings for `strategy.choose`: the serving generation's `reading` (its processes), the
-    GPUs `uuids` of its replica from `devices` ({uuid: (used, total)} MiB), the host's RAM."""
+    GPUs `uuids` of its replica from `devices` ({uuid: (used, total)} MiB), the host's RAM;
+    `prestaged_mb` (`prestage_mb`) is added to what a parked generation holds."""
     avail = host_memory()["mem_available_mb"] if host_available_mb is None else host_available_mb
     footprint = parked = None
     if reading is not None:
         uss = reading.uss_mb if reading.uss_mb else None
         footprint = uss if uss is not None else reading.rss_mb
         api = [p.rss_mb for p in reading.per_process if p.role is Role.API_SERVER]
-        parked = 2 * api[0] if api else None  # the API server and an EngineCore, both fully imported
+        # the API server and an EngineCore, both fully imported (+ the weights it prestaged)
+        parked = 2 * api[0] + prestaged_mb if api else None
     fit = MemoryFit(host_available_mb=avail, host_footprint_mb=footprint, parked_mb=parked,
                     margin_mb=cfg.server.overlap_margin_mb, gate_unavailable=gate_unavailable)
     mine = [devices[u] for u in uuids if u in devices]

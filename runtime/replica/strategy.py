@@ -44,7 +44,7 @@ class MemoryFit:
 
     host_available_mb: float  # the host's MemAvailable
     host_footprint_mb: float | None  # the serving generation's processes (USS, else RSS); None: unknown
-    parked_mb: float | None = None  # what a generation parked at the gate holds on the host
+    parked_mb: float | None = None  # what a generation parked at the gate holds on the host (+ prestaged weights)
     gpu_free_mb: float | None = None  # per GPU of the replica, the smallest; None: no GPU readings
     gpu_total_mb: float | None = None  # the smallest total of those GPUs (a budget caps it)
     gpu_footprint_mb: float | None = None  # the serving generation's GPU memory per GPU (NVML)
