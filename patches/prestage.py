@@ -90,21 +90,24 @@ class Store:
     def drop(self) -> None:
         """Forget a staging that failed (nothing of it was used)."""
         with self.lock:
+            bufs = list(self.buffers.values())
             self.buffers.clear()
-        empty_host_cache(self.pinned)
+        for buf in bufs:
+            unpin(buf, self.pinned)
 
     def release_all(self, why: str) -> int:
         """Drop every buffer still held (unused); returns how many."""
         with self.lock:
-            n = len(self.buffers)
+            bufs = list(self.buffers.values())
             self.buffers.clear()
-            if n:
-                self.released_unused += n
+            if bufs:
+                self.released_unused += len(bufs)
                 self.released_why = why
-        if n:
-            empty_host_cache(self.pinned)
-            log.warning("vllm-guard prestaged weights: %d file buffer(s) released unused (%s)", n, why)
-        return n
+        for buf in bufs:
+            unpin(buf, self.pinned)
+        if bufs:
+            log.warning("vllm-guard prestaged weights: %d file buffer(s) released unused (%s)", len(bufs), why)
+        return len(bufs)
 
     def summary(self) -> dict[str, Any]:
         with self.lock:
@@ -116,15 +119,27 @@ class Store:
 STORE = Store()
 
 
-def empty_host_cache(pinned: bool) -> None:
-    """Give freed pinned blocks back: torch's caching host allocator keeps them otherwise."""
-    torch = sys.modules.get("torch")
-    fn = getattr(getattr(torch, "_C", None), "_host_emptyCache", None)
-    if pinned and fn is not None:
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - an optimisation; never break loading
-            log.exception("vllm-guard prestaged weights: torch._C._host_emptyCache failed")
+def pin(buf: Any) -> str:
+    """Page-lock `buf` where it lies (cudaHostRegister), so the copy to the GPU after the gate is
+    DMA at bus speed. Not `pin_memory=True`: torch's pinned allocator rounds every block up to a
+    power of two (a 1.35 GB shard would lock 2 GiB). Returns "" or why it could not."""
+    import torch
+
+    cudart = torch.cuda.cudart()  # initialises CUDA here: this process's context, before the gate
+    rc = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    return "" if rc == cudart.cudaError.success else f"cudaHostRegister: {rc}"
+
+
+def unpin(buf: Any, pinned: bool) -> None:
+    """Unlock a buffer before it is freed (memory freed while registered would stay locked)."""
+    if not pinned:
+        return
+    import torch
+
+    try:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    except Exception:  # noqa: BLE001 - never break loading over an unlock
+        log.exception("vllm-guard prestaged weights: cudaHostUnregister failed")
 
 
 def read_into(path: Path, buf: Any, size: int) -> None:
@@ -155,12 +170,19 @@ def stage(model_dir: Path, store: Store = STORE) -> dict[str, Any]:
         avail = host_memory()["mem_available_mb"] * 2**20
         if sum(sizes) > RAM_SHARE * avail:
             raise MemoryError(f"{sum(sizes) / 2**30:.1f} GiB of weights, {avail / 2**30:.1f} GiB RAM available")
-        store.pinned = pin = bool(torch.cuda.is_available())
+        store.pinned = want_pin = bool(torch.cuda.is_available())
         for f, size in zip(files, sizes):
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            buf = torch.empty(size, dtype=torch.uint8)
             read_into(f, buf, size)
+            if store.pinned and (why := pin(buf)):  # staged all the same, unlocked (a slower copy)
+                log.warning("vllm-guard prestaged weights: %s not page-locked (%s); staging unlocked", f.name, why)
+                with store.lock:
+                    locked = list(store.buffers.values())
+                for b in locked:
+                    unpin(b, True)
+                store.pinned = False
             store.put(f, buf)
-        rec.update(files=[f.name for f in files], bytes=sum(sizes), pinned=pin)
+        rec.update(files=[f.name for f in files], bytes=sum(sizes), pinned=store.pinned and want_pin)
     except Exception as e:  # noqa: BLE001 - an optimisation: the engine parks and loads from disk
         log.exception("vllm-guard prestaged weights: staging %s failed; loading from disk as before", model_dir)
         store.drop()
@@ -278,8 +300,8 @@ class PrestagedWeights:
                         yield name, tensor
                     store.files_served += 1
                 finally:
+                    unpin(buf, store.pinned)
                     del buf, tensors  # the caller's views keep what they still use
-                    empty_host_cache(store.pinned)
             self.publish()
 
         return safetensors_weights_iterator
