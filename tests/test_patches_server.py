@@ -151,7 +151,7 @@ class TestAudited:
             assert children.get(pid) == r["process"], (pid, r["process"], children)
             assert r["vllm_version"] == st["vllm_version"]
             assert set(r["patches"]) == {"kv-block-audit", "idle-release", "allocator-settings", "fault-injection",
-                                         "add-request-abort", "block-ids-drain", "startup-gate"}
+                                         "add-request-abort", "block-ids-drain", "startup-gate", "prestaged-weights"}
             for p in r["patches"].values():
                 assert p["state"] in ("applied", "skipped", "failed") and p["reason"]
         by_role = {r["process"]: r["patches"] for r in live.values()}
@@ -159,6 +159,9 @@ class TestAudited:
         assert by_role["engine_core"]["fault-injection"]["state"] == "applied"
         assert by_role["api_server"]["add-request-abort"]["state"] == "applied"
         assert by_role["engine_core"]["block-ids-drain"]["state"] == "skipped"  # 0.32.0 has vLLM's own fix
+        # weights are staged only for a gated generation whose runtime asked (prestage_weights = on)
+        assert by_role["engine_core"]["prestaged-weights"] == {
+            "state": "skipped", "reason": "not asked (no VLLM_GUARD_PRESTAGE in a gated generation)"}
         assert "carries the upstream fix" in by_role["engine_core"]["block-ids-drain"]["reason"]
         assert "INJECTING" in by_role["engine_core"]["fault-injection"]["reason"]
         assert all(by_role[role]["idle-release"]["state"] == "applied" for role in ROLES)
