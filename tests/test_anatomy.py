@@ -3,6 +3,8 @@ in the order a start goes through them. On literal log lines of vLLM 0.32.0 (CPU
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from vllm_guard.runtime.child.anatomy import Anatomy
 
 LOG = """\
@@ -50,3 +52,18 @@ def test_health_is_asked_often_once_the_engine_is_up_and_seldom_before() -> None
         assert health_every_s(a) == HEALTH_EVERY_S
     a.feed(LOG.splitlines(keepends=True)[5], 7.0)  # "init engine ... took"
     assert health_every_s(a) == HEALTH_SOON_S <= 0.1
+
+
+def test_lines_the_tail_has_not_read_when_the_generation_is_ready_are_noted_at_the_answer(tmp_path: Path) -> None:
+    """The log tail ends at ready; with /health asked every 50 ms the answer can come before
+    the tail read 'Application startup complete' (the phase was lost from status and ledger)."""
+    from vllm_guard.runtime.replica.monitors import catch_up
+    log = tmp_path / "generation-2.log"
+    log.write_text(LOG)
+    a = Anatomy(spawned=0.0)
+    for i, line in enumerate(LOG.splitlines(keepends=True)[:6]):  # the tail got up to the engine
+        a.feed(line, 1.0 + i)
+    catch_up(a, log, answered=9.0)
+    assert a.at["engine_up"] == 6.0 and a.at["api_up"] == 9.0  # seen before: unchanged; new: at the answer
+    catch_up(a, tmp_path / "gone.log", answered=10.0)  # no log: nothing changes
+    assert a.at["api_up"] == 9.0

@@ -62,9 +62,12 @@ async def wait_ready(gen: Generation, http: aiohttp.ClientSession, cfg: ProbeCon
     b = gen.backend
     while b.returncode is None:
         if await b.health(http):
-            gen.mark("health_ok", time.monotonic())
+            answered = time.monotonic()
+            gen.mark("health_ok", answered)
             res = await b.probe(http, cfg.prompt, cfg.timeout * 3)
             if res.ok:
+                assert gen.anatomy is not None
+                await asyncio.to_thread(catch_up, gen.anatomy, b.log_path, answered)
                 on_version(await b.version(http))
                 gen.note_ready(time.monotonic())
                 wake()
@@ -279,6 +282,21 @@ async def log_loop(gen: Generation) -> None:
         if "api_up" in gen.anatomy.at and gen.ready_mono is not None:
             return
         await asyncio.sleep(LOG_EVERY_S)
+
+
+CATCH_UP_BYTES = 1 << 18
+
+
+def catch_up(anatomy: Anatomy, log_path: Path, answered: float) -> None:
+    """Note the phases whose lines the log tail has not read yet once the generation is ready:
+    the tail looks every LOG_EVERY_S and ends at ready, and `/health` asked often can answer
+    first. vLLM wrote those lines before it answered, so `answered` bounds their time."""
+    try:
+        start = max(0, log_path.stat().st_size - CATCH_UP_BYTES)
+    except OSError:
+        return
+    text, _ = _read_from(log_path, start, CATCH_UP_BYTES)
+    anatomy.feed(text, answered)
 
 
 def _read_from(path: Path, pos: int, limit: int = 1 << 20) -> tuple[str, int]:
