@@ -94,6 +94,9 @@ HELP: dict[str, dict[str, str]] = {
         "gate_timeout": "a gated next generation must reach its gate (before CUDA) within this time",
         "standby": "auto: keep the next generation parked at its startup gate while RAM allows (a crash restarts "
                    "from the gate, a recycle uses it); off: none",
+        "prestage_weights": "on: a generation parked at its gate first reads the model's weights into page-locked "
+                            "RAM, so vLLM's start after the gate copies them from there (costs their size in RAM "
+                            "per parked generation, and parks it later); off: none",
         "replicas": "vLLM servers behind the one proxy (one per GPU or tensor-parallel group); they recycle "
                     "one at a time",
         "gpus": "GPU indexes or UUIDs, one replica per GPU (or per --tensor-parallel-size GPUs); "
