@@ -50,6 +50,16 @@ def vllm_version(load: bool = True) -> str:
         return "unknown"
 
 
+PRESTAGE_NOT_ASKED = "not asked (no VLLM_GUARD_PRESTAGE in a gated generation)"
+
+
+def _prestage_asked() -> bool:
+    """Whether the runtime asked this (gated) generation to stage its weights."""
+    from . import gate, prestage
+
+    return gate.requested() is not None and prestage.requested() is not None
+
+
 class Plugin:
     """The per-process plugin state: applied patches, their live objects, the report."""
 
@@ -78,6 +88,9 @@ class Plugin:
             return {"state": "skipped", "reason": "disabled in [patches]"}
         if self.role not in defn.roles:
             return {"state": "skipped", "reason": f"not in this process (runs in {', '.join(defn.roles)})"}
+        if defn.id == "prestaged-weights" and not _prestage_asked():
+            # before the live check: it would import vLLM's model loader into every EngineCore
+            return {"state": "skipped", "reason": PRESTAGE_NOT_ASKED}
         scoped = dataclasses.replace(defn, targets=defs.targets_for(defn, self.role))
         why = registry.evaluate(scoped, self.version, registry.live_check)
         if why is not None:
@@ -189,10 +202,10 @@ class Plugin:
         return f"parks at {where} until the runtime opens it"
 
     def _prestage(self) -> str:
-        from . import gate, prestage
+        from . import prestage
 
-        if gate.requested() is None or prestage.requested() is None:
-            raise _Skip("not asked (no VLLM_GUARD_PRESTAGE in a gated generation)")
+        if not _prestage_asked():
+            raise _Skip(PRESTAGE_NOT_ASKED)
         patch = prestage.PrestagedWeights(prestage.STORE, self.write)
         patch.install()
         self.parts["prestaged-weights"] = patch
