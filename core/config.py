@@ -202,6 +202,10 @@ class ServerConfig:
     # safetensors into host memory (pinned on a GPU) and creates its CUDA context; vLLM then loads
     # the weights from that copy after the gate. Costs the weights' size in RAM per parked generation
     prestage_weights: str = _f("off", choices=("off", "on"))
+    # on: a generation that parks at its startup gate first imports the modules the last generation
+    # imported after its gate (recorded in the state dir) and freezes its heap for the collector;
+    # it does not send vLLM's usage report again. Costs nothing after the gate; off: vLLM as it is
+    warm_start: str = _f("on", choices=("off", "on"))
     replicas: int = _f(1, min=1, max=64)  # vLLM servers behind the one proxy (one per GPU or TP group)
     gpus: list[str] = _f([], check=_gpu_selectors)  # GPU indexes or UUIDs, one replica per GPU / TP group
 

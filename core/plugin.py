@@ -46,6 +46,12 @@ GATE_TIMEOUT_VAR = "VLLM_GUARD_GATE_TIMEOUT"  # seconds the engine waits at the 
 # the model dir whose safetensors a gated generation's EngineCore reads into host memory before it
 # parks (`[server] prestage_weights = "on"`); set only beside GATE_VAR
 PRESTAGE_VAR = "VLLM_GUARD_PRESTAGE"
+# "1": a gated generation imports, before it parks, the modules a generation of this state dir
+# imported after its gate (`[server] warm_start = "on"`); set only beside GATE_VAR
+WARM_VAR = "VLLM_GUARD_WARM"
+# vLLM's own switch for its usage report: a gated generation (a recycle of a running deployment)
+# does not send it again, and its thread does not run in the gap (set only where not already set)
+USAGE_STATS_VAR = "VLLM_NO_USAGE_STATS"
 GATE_STATE = "state.json"
 GATE_OPEN = "open"
 
@@ -199,13 +205,24 @@ def gate_dir(state_dir: str | Path, generation: int) -> Path:
     return gen_dir(state_dir, generation) / "gate"
 
 
-def gate_env(env: Mapping[str, str], gate: Path, timeout_s: float, prestage: str | None = None) -> dict[str, str]:
+def gate_env(env: Mapping[str, str], gate: Path, timeout_s: float, prestage: str | None = None,
+             warm: bool = False) -> dict[str, str]:
     """The env of a generation that must park at `gate` (at most `timeout_s` seconds); with
-    `prestage` (a model dir), its engine reads that model's weights into host memory first."""
+    `prestage` (a model dir), its engine reads that model's weights into host memory first; with
+    `warm`, its processes import what an earlier generation imported after its gate."""
     out = {**env, GATE_VAR: str(gate), GATE_TIMEOUT_VAR: f"{timeout_s:.0f}"}
     if prestage:
         out[PRESTAGE_VAR] = prestage
+    if warm:
+        out[WARM_VAR] = "1"
+        out.setdefault(USAGE_STATS_VAR, "1")
     return out
+
+
+def warm_imports_path(state_dir: str | Path, role: str) -> Path:
+    """The modules a generation's `role` process (api_server, engine_core) imported after its
+    plugin loaded, as the last generation to get up recorded them (`patches.warmstart`)."""
+    return Path(state_dir) / "patches" / f"warm-imports-{role}.json"
 
 
 def prestage_applies(vllm_args: Sequence[str]) -> str | None:

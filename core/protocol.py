@@ -205,6 +205,30 @@ class PatchEvents(_Model):
     idle_released_bytes: int = 0
 
 
+class WarmImports(_Model):
+    """The modules one vLLM process imported after its plugin loaded, up to its engine up (EngineCore)
+    or its app started (API server): what the next gated generation imports before it parks."""
+
+    schema_: Literal["vllm-guard-warm-imports/1"] = Field("vllm-guard-warm-imports/1", alias="schema")
+    role: Literal["api_server", "engine_core"]
+    vllm_version: str
+    recorded_at: str
+    generation: str | None = None
+    modules: list[str] = Field(default_factory=list)  # in the order they were first imported
+
+
+class WarmReport(_Model):
+    """What a gated generation's process did before its gate with a `WarmImports` list."""
+
+    role: Literal["api_server", "engine_core"]
+    listed: int = 0  # modules in the list it found (0: no list yet, e.g. the first recycle)
+    imported: int = 0  # newly imported here
+    failed: list[str] = Field(default_factory=list)  # modules whose import raised (imported after the gate)
+    seconds: float = 0.0
+    gc_frozen: int = 0  # objects moved out of the collector's sight (gc.freeze) before the gate
+    note: str = ""  # why nothing was imported (no list, another vLLM version, an error)
+
+
 class PatchProcessReport(_Model):
     """What the plugin reports from one vLLM process (`patches/gen-N/<pid>.json`)."""
 
@@ -218,6 +242,7 @@ class PatchProcessReport(_Model):
     error: str | None = None
     alive: bool = True
     events: PatchEvents | None = None
+    warm: WarmReport | None = None  # a gated generation's warm start in this process (`[server] warm_start`)
 
 
 class LedgerHealth(_Model):
@@ -292,6 +317,7 @@ class GateReport(_Model):
     where: str = ""  # the vLLM function that loaded the plugin (EngineCore.__init__ expected)
     waited_s: float | None = None
     prestage: PrestageReport | None = None  # only when the runtime asked for prestaged weights
+    warm: WarmReport | None = None  # only when the runtime asked for a warm start
 
 
 class StatusSnapshot(_Model):

@@ -75,6 +75,11 @@ def note_prestage(record: dict[str, Any]) -> None:
     _NOTES["prestage"] = record
 
 
+def note_warm(record: dict[str, Any]) -> None:
+    """What this engine imported before parking (`patches.warmstart`): part of each state it writes."""
+    _NOTES["warm"] = record
+
+
 def _say(gate: Path, state: str, version: str, reason: str = "", waited: float | None = None) -> None:
     data = {"state": state, "pid": os.getpid(), "at": utcnow(), "reason": reason, "vllm_version": version,
             "where": caller(), "waited_s": None if waited is None else round(waited, 3), **_NOTES}

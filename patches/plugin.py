@@ -71,6 +71,7 @@ class Plugin:
         self.version = vllm_version()
         self.states: dict[str, dict[str, Any]] = {}
         self.parts: dict[str, Any] = {}  # patch id -> object with summary()
+        self.warm: dict[str, Any] | None = None  # the `WarmReport` of a warm start before the gate
 
     def apply_all(self) -> None:
         appliers: dict[str, Callable[[], str]] = {
@@ -229,6 +230,20 @@ class Plugin:
         gate.note_prestage(record)
         self.write()
 
+    def warm_before_park(self, where: Path) -> None:
+        """Import what the last generation imported after its gate, freeze the heap (a warm start
+        asked for); nothing here may make a CUDA context, and if something did, refuse as always."""
+        from . import gate, warmstart
+
+        if not warmstart.asked():
+            return
+        rep = warmstart.replay("engine_core", self.version, freeze=True)
+        self.warm = rep.model_dump(mode="json")
+        gate.note_warm(self.warm)
+        self.write()
+        if gate.cuda_initialized():
+            gate.refuse(where, "CUDA was initialized while importing the warm-start list", self.version)
+
     def pass_gate(self) -> None:
         """A gated generation's EngineCore: park (the gate patch applied) or refuse and exit."""
         from . import gate, prestage
@@ -242,6 +257,7 @@ class Plugin:
         model_dir = prestage.requested()
         if model_dir is not None:
             self.prestage_before_park(where, model_dir)
+        self.warm_before_park(where)
         waited = gate.park(where, gate.timeout_s(), self.version)
         self.states["startup-gate"] = {"state": "applied", "reason": f"parked {waited:.1f}s, then opened"}
         self.write()
@@ -254,6 +270,7 @@ class Plugin:
             "patches": self.states,
             "details": {k: v.summary() for k, v in self.parts.items()},
             "inject": self.inject.active,
+            **({"warm": self.warm} if self.warm is not None else {}),
         }
 
     def write(self) -> None:
@@ -335,3 +352,20 @@ def _register() -> None:
     plugin = Plugin(role, inject, patches, channel)
     _STATE["plugin"] = plugin
     plugin.apply_all()
+    _warm(plugin)
+
+
+def _warm(plugin: Plugin) -> None:
+    """Record this process's later imports (every generation with a state dir); a gated API
+    server asked for a warm start imports the last list now (its EngineCore does, at the gate)."""
+    from . import warmstart
+
+    if plugin.role not in warmstart.ROLES:
+        return
+    try:
+        _STATE["warm_recorder"] = warmstart.install_recorder(plugin.role, plugin.version)
+    except Exception:  # noqa: BLE001 - an optimisation: never break serving
+        log.exception("vllm-guard warm start: cannot record this process's imports")
+    if plugin.role == "api_server" and warmstart.asked():
+        plugin.warm = warmstart.replay("api_server", plugin.version, freeze=False).model_dump(mode="json")
+        plugin.write()

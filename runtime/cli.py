@@ -47,6 +47,8 @@ SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
     "prestage_weights": ("server", "prestage_weights", "on: a generation parked at its startup gate reads the "
                          "model's weights into (pinned) host memory first, so less is left after the gate; "
                          "costs their size in RAM (default off)"),
+    "warm_start": ("server", "warm_start", "on: a generation parked at its startup gate first imports what the last "
+                   "one imported after its gate, so less is left after it (default on)"),
     "unready_lead": ("server", "unready_lead", "readiness says 503 this long before a cold or gated recycle stops the "
                      "only serving replica (default 10s; 0: none)"),
     "startup_timeout": ("server", "startup_timeout", "how long a generation may take to become ready (default 10m)"),

@@ -97,6 +97,9 @@ HELP: dict[str, dict[str, str]] = {
         "prestage_weights": "on: a generation parked at its gate first reads the model's weights into page-locked "
                             "RAM, so vLLM's start after the gate copies them from there (costs their size in RAM "
                             "per parked generation, and parks it later); off: none",
+        "warm_start": "on: a generation parked at its gate first imports the modules the last one imported after "
+                      "its gate (recorded in the state dir), freezes its heap for the garbage collector and does not "
+                      "send vLLM's usage report again; off: vLLM's start as it is",
         "replicas": "vLLM servers behind the one proxy (one per GPU or tensor-parallel group); they recycle "
                     "one at a time",
         "gpus": "GPU indexes or UUIDs, one replica per GPU (or per --tensor-parallel-size GPUs); "

@@ -26,6 +26,8 @@ import httpx
 import pytest
 
 from conftest import GuardServer
+from vllm_guard.core import plugin
+from vllm_guard.core.protocol import GateReport, PatchProcessReport, WarmImports, decode
 from streams import StreamResult, stream_completion, summarize
 
 pytestmark = pytest.mark.slow
@@ -188,4 +190,15 @@ def test_gated_parks_while_the_old_generation_serves_and_opens_once_it_is_gone(s
         db.close()
     written = [p for p, _ in json.loads(raw)]
     assert {"spawned", "parked", "gate_opened", "ready"} <= set(written), written
+    # the warm start (on by default): earlier generations recorded what they imported after their
+    # plugin loaded; the gated one imported the engine's list before it parked and froze its heap
+    for role in ("engine_core", "api_server"):
+        listed = decode(WarmImports, json.loads(plugin.warm_imports_path(srv.state_dir, role).read_text()))
+        assert listed.modules and listed.role == role, listed
+    gate = decode(GateReport, json.loads((plugin.gate_dir(srv.state_dir, old + 1) / plugin.GATE_STATE).read_text()))
+    assert gate.warm is not None and gate.warm.listed > 0 and gate.warm.imported > 0, gate.warm
+    assert gate.warm.gc_frozen > 0 and not gate.warm.note, gate.warm
+    api = [r for r in (decode(PatchProcessReport, json.loads(p.read_text()))
+                       for p in plugin.gen_dir(srv.state_dir, old + 1).glob("*.json")) if r.process == "api_server"]
+    assert len(api) == 1 and api[0].warm is not None and api[0].warm.imported > 0, api
     assert "first_request" in [p for p, _ in json.loads(old_raw)], old_raw  # rewritten at its end

@@ -72,7 +72,8 @@ class Launcher:
         env.update(self.plans[replica].env())
         gate = plugin.gate_dir(self.state_dir, n) if gated else None
         if gate is not None:
-            env = plugin.gate_env(env, gate, STANDBY_PARK_S if standby else park_limit(s), self.prestage(n))
+            env = plugin.gate_env(env, gate, STANDBY_PARK_S if standby else park_limit(s), self.prestage(n),
+                                  warm=s.warm_start == "on")
         backend = Backend(generation=n, model=self.model, host=s.backend_host, port=free_port(s.backend_host),
                           vllm_args=list(s.vllm_args), log_path=self.state_dir / "logs" / f"generation-{n}.log",
                           python=self.python, env=env, nice=s.backend_nice)
