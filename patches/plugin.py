@@ -237,11 +237,12 @@ class Plugin:
 
         if not warmstart.asked():
             return
+        had_cuda = gate.cuda_initialized()  # prestaged weights made this process's context on purpose
         rep = warmstart.replay("engine_core", self.version, freeze=True)
         self.warm = rep.model_dump(mode="json")
         gate.note_warm(self.warm)
         self.write()
-        if gate.cuda_initialized():
+        if gate.cuda_initialized() and not had_cuda:
             gate.refuse(where, "CUDA was initialized while importing the warm-start list", self.version)
 
     def pass_gate(self) -> None:

@@ -178,3 +178,73 @@ def test_gate_files_round_trip(tmp_path: Path) -> None:
     assert contract.gate_is_open(gate)
     env = contract.gate_env({"A": "1"}, gate, 95.4)
     assert env == {"A": "1", contract.GATE_VAR: str(gate), contract.GATE_TIMEOUT_VAR: "95"}
+
+
+# -- the warm start at the gate ------------------------------------------------------------------
+WARM_REGISTER = """
+import json, multiprocessing, sys
+multiprocessing.current_process().name = "EngineCore"
+import torch
+if sys.argv[1] == "prestage-context":  # staging makes this process's CUDA context on purpose
+    from vllm_guard.patches import prestage
+    def stage(model_dir):
+        torch.cuda.is_initialized = lambda: True
+        return {"model_dir": str(model_dir), "error": "staged nothing (test)"}
+    prestage.stage = stage
+import vllm_guard.patches as p
+p.register()
+from vllm_guard.patches.plugin import _STATE
+print(json.dumps(_STATE["plugin"].report()))
+"""
+
+
+def _warm_start(tmp_path: Path, case: str, modules: list[str]) -> tuple[subprocess.Popen[str], Path]:
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "warm_mod.py").write_text("X = 1\n")
+    (lib / "makes_context.py").write_text("import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    listing = contract.warm_imports_path(tmp_path, "engine_core")
+    listing.parent.mkdir(parents=True)
+    from vllm_guard.patches.plugin import vllm_version
+
+    listing.write_text(json.dumps({"schema": "vllm-guard-warm-imports/1", "role": "engine_core",
+                                   "vllm_version": vllm_version(), "recorded_at": "x", "modules": modules}))
+    gate = contract.gate_dir(tmp_path, 7)
+    env = contract.gate_env({**os.environ, contract.STATE_DIR_VAR: str(tmp_path), contract.GENERATION_VAR: "7",
+                             "PYTHONPATH": os.pathsep.join([str(lib), os.environ.get("PYTHONPATH", "")])},
+                            gate, 120, prestage=str(tmp_path / "model") if case == "prestage-context" else None,
+                            warm=True)
+    proc = subprocess.Popen([sys.executable, "-c", WARM_REGISTER, case], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return proc, gate
+
+
+@needs_vllm
+@pytest.mark.parametrize("case", ["plain", "prestage-context"])
+def test_a_warm_engine_imports_its_list_then_parks(tmp_path: Path, case: str) -> None:
+    """A context the staging made on purpose is not one the warm start made: it parks either way."""
+    proc, gate = _warm_start(tmp_path, case, ["warm_mod"])
+    try:
+        rep = _wait_report(gate, proc)
+        assert rep.state == "parked", rep
+        assert rep.warm is not None and rep.warm.listed == 1 and rep.warm.imported == 1 and not rep.warm.failed
+        assert rep.warm.gc_frozen > 0
+        if case == "prestage-context":  # staged (by the stand-in) before the warm start, context and all
+            assert rep.prestage is not None and rep.prestage.error == "staged nothing (test)", rep.prestage
+        (report,) = contract.read_states(tmp_path, 7).values()
+        assert report.warm == rep.warm  # the process report says it too
+        contract.open_gate(gate)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+
+
+@needs_vllm
+def test_a_warm_start_that_made_a_cuda_context_is_refused(tmp_path: Path) -> None:
+    proc, gate = _warm_start(tmp_path, "plain", ["makes_context"])
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_GATE, err[-2000:]
+    rep = contract.read_gate(gate)
+    assert rep is not None and rep.state == "skipped", rep
+    assert rep.reason == "CUDA was initialized while importing the warm-start list"
