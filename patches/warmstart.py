@@ -20,11 +20,15 @@ list from another vLLM version is ignored, and any error leaves the process as i
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
+import inspect
+import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -52,40 +56,58 @@ def list_path(role: str, env: Mapping[str, str] = os.environ) -> Path | None:
 
 
 def _roots() -> tuple[str, ...]:
-    return tuple(os.path.realpath(p) + os.sep for p in sys.path if p and os.path.isdir(p))
+    """The sys.path folders, as given and resolved (a module's origin is compared as a string)."""
+    dirs = [p for p in sys.path if p and os.path.isdir(p)]
+    return tuple({os.path.join(d, "") for d in dirs} | {os.path.join(os.path.realpath(d), "") for d in dirs})
 
 
-def importable(name: str, module: Any, roots: tuple[str, ...]) -> bool:
+def importable(name: str, origin: Any, roots: tuple[str, ...]) -> bool:
     """A module another process can import by name: from a file under sys.path (not one loaded
     by path from a cache, not __main__, not ours)."""
-    if name.startswith(SKIP_PREFIXES) or not isinstance(getattr(module, "__name__", None), str):
+    if name.startswith(SKIP_PREFIXES):
         return False
+    return isinstance(origin, str) and os.path.isabs(origin) and origin.startswith(roots)
+
+
+def _origin(module: Any) -> Any:
     spec = getattr(module, "__spec__", None)
-    origin = getattr(spec, "origin", None) if spec is not None else None
-    if not isinstance(origin, str) or not os.path.isabs(origin):
-        return False
-    return os.path.realpath(origin).startswith(roots)
+    return getattr(spec, "origin", None) if spec is not None else None
 
 
 class Recorder:
-    """Remembers which modules were loaded when it was made; `record()` writes the ones added since."""
+    """Remembers which modules were loaded when it was made; `record()` writes the ones added since.
+
+    `record()` runs where a start ends (in the gap, for a gated generation): it only takes the
+    names and origins (milliseconds); filtering and writing go to a thread."""
 
     def __init__(self, role: str, path: Path, version: str) -> None:
         self.role, self.path, self.version = role, path, version
         self.baseline = set(sys.modules)
+        self.roots = _roots()
         self.done = False
+        self.thread: threading.Thread | None = None
 
-    def new_modules(self) -> list[str]:
-        roots = _roots()
-        return [n for n, m in list(sys.modules.items()) if n not in self.baseline and importable(n, m, roots)]
+    def new_modules(self) -> list[tuple[str, Any]]:
+        """(name, origin) of each module loaded since, in the order they were first loaded."""
+        return [(n, _origin(m)) for n, m in list(sys.modules.items()) if n not in self.baseline]
 
-    def record(self) -> int:
-        """Write the list once (later calls do nothing); never raises. Returns how many."""
+    def record(self) -> None:
+        """Write the list once (later calls do nothing); never raises."""
         if self.done:
-            return 0
+            return
         self.done = True
         try:
-            mods = self.new_modules()
+            found = self.new_modules()
+        except Exception:  # noqa: BLE001 - a record is an optimisation: never break serving
+            log.exception("vllm-guard warm start: could not list this process's imports")
+            return
+        self.thread = threading.Thread(target=self.write, args=(found,), name="vllm-guard-warm-record",
+                                       daemon=True)
+        self.thread.start()
+
+    def write(self, found: list[tuple[str, Any]]) -> int:
+        try:
+            mods = [n for n, origin in found if importable(n, origin, self.roots)]
             data = {"schema": "vllm-guard-warm-imports/1", "role": self.role, "vllm_version": self.version,
                     "recorded_at": utcnow(), "generation": os.environ.get(contract.GENERATION_VAR),
                     "modules": mods}
@@ -104,9 +126,6 @@ def after(obj: Any, name: str, then: Callable[[], Any]) -> None:
     orig = getattr(obj, name)
     if getattr(orig, "_vllm_guard_warm", False):
         return
-    import functools
-    import inspect
-
     if inspect.iscoroutinefunction(orig):
         @functools.wraps(orig)
         async def wrapper(*a: Any, **kw: Any) -> Any:
@@ -151,8 +170,6 @@ def read_list(path: Path, version: str) -> tuple[list[str], str]:
     except OSError as e:
         return [], f"cannot read {path}: {e}"
     try:
-        import json
-
         w = decode(WarmImports, json.loads(raw))
     except (ValueError, ProtocolError) as e:
         return [], f"{path.name} unreadable: {e}"

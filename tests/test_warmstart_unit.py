@@ -41,8 +41,9 @@ RECORD = """
     import warm_pkg.sub            # from a folder on sys.path
     spec = importlib.util.spec_from_file_location("by_path_mod", {by_path!r})
     m = importlib.util.module_from_spec(spec); sys.modules["by_path_mod"] = m; spec.loader.exec_module(m)
-    n = rec.record(); again = rec.record()
-    print(json.dumps({{"n": n, "again": again}}))
+    rec.record(); first = rec.thread; rec.record()
+    first.join(30)
+    print(json.dumps({{"n": len(json.load(open(rec.path))["modules"]), "again": rec.thread is first}}))
 """
 
 
@@ -61,7 +62,7 @@ def test_a_process_records_what_it_imported_after_its_recorder_in_order(tmp_path
     loose.write_text("Z = 3\n")
     env = {contract.STATE_DIR_VAR: str(state), contract.GENERATION_VAR: "4"}
     got = run(RECORD.format(by_path=str(loose)), env, [lib])
-    assert got == {"n": got["n"], "again": 0} and got["n"] >= 4
+    assert got["again"] is True and got["n"] >= 4  # written once, from a thread
     w = decode(WarmImports, json.loads((state / "patches" / "warm-imports-engine_core.json").read_text()))
     assert w.role == "engine_core" and w.vllm_version == "9.9.9" and w.generation == "4"
     mods = w.modules
