@@ -134,7 +134,7 @@ def after(obj: Any, name: str, then: Callable[[], Any]) -> None:
             return out
     else:
         @functools.wraps(orig)
-        def wrapper(*a: Any, **kw: Any) -> Any:  # type: ignore[misc]
+        def wrapper(*a: Any, **kw: Any) -> Any:
             out = orig(*a, **kw)
             then()
             return out
@@ -184,7 +184,7 @@ def no_cuda_init() -> Iterator[None]:
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     orig = getattr(cuda, "_lazy_init", None)
-    if orig is None:
+    if cuda is None or orig is None:
         yield
         return
 
