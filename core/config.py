@@ -316,7 +316,7 @@ class LedgerConfig:
 
 
 PATCH_IDS = ("kv-block-audit", "idle-release", "allocator-settings", "fault-injection", "add-request-abort",
-             "block-ids-drain", "startup-gate", "prestaged-weights")
+             "block-ids-drain", "startup-gate", "prestaged-weights", "triton-ptxas")
 
 
 @dataclass(frozen=True)

@@ -151,8 +151,20 @@ PRESTAGED_WEIGHTS = PatchDef(
     targets=(T_ST_ITER, T_SORT_KEY, T_SKIP, T_LOADER_ITER, T_LOADER_LOAD, T_KV_INIT, T_KV_METHOD),
 )
 
+TRITON_PTXAS = PatchDef(
+    id="triton-ptxas",
+    fixes="every start after one that compiled the model compiles vLLM's own Triton kernels again (the "
+          "sampler's top-k/top-p in vLLM's warm-up; 9-14 s after a gated generation's gate on an H200): "
+          "torch's inductor points Triton at torch's bundled ptxas only in a process that compiles, and "
+          "Triton keys its cache by the ptxas version",
+    summary="when the plugin loads, before anything is compiled: torch's own choice "
+            "(torch._inductor.runtime.compile_tasks._set_triton_ptxas_path) in every EngineCore and worker; "
+            "skipped where torch bundles no ptxas or TRITON_PTXAS_PATH is set (nothing differs then)",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("engine_core", "worker"),
+)
+
 ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION, ADD_REQUEST_ABORT, BLOCK_IDS_DRAIN, STARTUP_GATE,
-       PRESTAGED_WEIGHTS)
+       PRESTAGED_WEIGHTS, TRITON_PTXAS)
 
 # Targets a role actually touches (a worker never sees the scheduler, and so on).
 ROLE_TARGETS: dict[tuple[str, str], tuple[Anchor, ...]] = {

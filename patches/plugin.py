@@ -78,7 +78,7 @@ class Plugin:
             "kv-block-audit": self._audit, "idle-release": self._idle,
             "allocator-settings": self._allocator, "fault-injection": self._inject,
             "add-request-abort": self._add_request_abort, "block-ids-drain": self._block_ids_drain,
-            "startup-gate": self._gate, "prestaged-weights": self._prestage,
+            "startup-gate": self._gate, "prestaged-weights": self._prestage, "triton-ptxas": self._ptxas,
         }
         for defn in defs.ALL:
             self.states[defn.id] = self._apply_one(defn, appliers[defn.id])
@@ -191,6 +191,14 @@ class Plugin:
         if not done:
             raise _Skip("no fault for this process")
         return "INJECTING: " + "; ".join(done)
+
+    def _ptxas(self) -> str:
+        from . import ptxas
+
+        try:
+            return ptxas.pin()
+        except ptxas.NotNeeded as e:
+            raise _Skip(str(e)) from e
 
     def _gate(self) -> str:
         from . import gate

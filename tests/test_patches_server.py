@@ -151,7 +151,8 @@ class TestAudited:
             assert children.get(pid) == r["process"], (pid, r["process"], children)
             assert r["vllm_version"] == st["vllm_version"]
             assert set(r["patches"]) == {"kv-block-audit", "idle-release", "allocator-settings", "fault-injection",
-                                         "add-request-abort", "block-ids-drain", "startup-gate", "prestaged-weights"}
+                                         "add-request-abort", "block-ids-drain", "startup-gate", "prestaged-weights",
+                                         "triton-ptxas"}
             for p in r["patches"].values():
                 assert p["state"] in ("applied", "skipped", "failed") and p["reason"]
         by_role = {r["process"]: r["patches"] for r in live.values()}
@@ -166,6 +167,10 @@ class TestAudited:
         assert "INJECTING" in by_role["engine_core"]["fault-injection"]["reason"]
         assert all(by_role[role]["idle-release"]["state"] == "applied" for role in ROLES)
         assert by_role["api_server"]["kv-block-audit"]["state"] == "skipped"
+        # the ptxas torch would choose, in every process that runs Triton kernels; a CPU build has none
+        for role in ROLES - {"api_server"}:
+            assert by_role[role]["triton-ptxas"] == {
+                "state": "skipped", "reason": "not a CUDA build of torch: no Triton kernels for NVIDIA GPUs"}
 
     def test_audit_reclaims_exactly_the_blocks_the_injector_leaked(self, server: GuardServer) -> None:
         with httpx.Client(timeout=120) as c:

@@ -349,6 +349,11 @@ def test_register_reports_a_valid_patch_process_report_per_role(tmp_path: Path, 
         assert rep.patches["fault-injection"].state == "skipped"
     if role == "api_server":
         assert states["add-request-abort"] == ("applied" if VLLM_ROOT else "skipped")
+        assert rep.patches["triton-ptxas"].reason == "not in this process (runs in engine_core, worker)"
+    else:  # vLLM's modules brought torch in (its CPU build here): nothing to pin
+        assert rep.patches["triton-ptxas"].reason == (
+            "not a CUDA build of torch: no Triton kernels for NVIDIA GPUs" if VLLM_ROOT
+            else "torch is not imported in this process (vLLM imports it before its plugins)")
     if VLLM_ROOT and role != "engine_core":
         assert rep.details["idle-release"]["after_s"] == 60
 
