@@ -1,7 +1,7 @@
 """triton-ptxas: every generation compiles and finds vLLM's Triton kernels with the same ptxas.
 
-torch's inductor points Triton at the ptxas bundled with torch (`TRITON_PTXAS_PATH`; the CUDA 13
-wheels of torch 2.9 to 2.11 ship one in `torch/bin`) the first time it compiles a Triton kernel
+torch's inductor points Triton at the ptxas bundled with torch (`TRITON_PTXAS_PATH`; torch 2.11's
+wheels, for one, ship it in `torch/bin`) the first time it compiles a Triton kernel
 itself, that is only in a process that compiles the model. Triton keys its cache by the ptxas
 version. So vLLM's own kernels (the sampler's top-k/top-p, compiled in vLLM's warm-up) were cached
 under torch's ptxas by the generation that compiled the model, and looked up under Triton's own by

@@ -2,7 +2,7 @@
 choice are the thing under test): a TRITON_PTXAS_PATH already set is kept; without torch, or with
 torch's CPU build, nothing is pinned and the report says why; with torch's real choice function and
 no ptxas bundled, nothing differs between processes, so nothing is pinned; where torch's choice sets
-a ptxas (the CUDA 13 wheels of torch 2.9-2.11), the process uses it from the plugin's load on."""
+a ptxas (torch 2.11's wheels ship one), the process uses it from the plugin's load on."""
 
 from __future__ import annotations
 
