@@ -5,10 +5,15 @@
 # `--max-requests 1000` so that every recycle finds its standby parked (it parks 45-70 s after its spawn).
 set -u
 NAME=$1; shift
-SCENARIO=${SCENARIO:-gated24}; PROMPTS=${PROMPTS:-1200}
+# LEVERS=off: vLLM's defaults (no VLLM_USE_MEGA_AOT_ARTIFACT, vLLM's own CUDA-graph sizes).
+SCENARIO=${SCENARIO:-gated24}; PROMPTS=${PROMPTS:-1200}; LEVERS=${LEVERS:-on}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . >/dev/null 2>&1 || echo "install failed"
-export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_USE_MEGA_AOT_ARTIFACT=1
-CG='--compilation-config {"cudagraph_capture_sizes":[1,2,4,8,16,24,32,48,64,96,128,192,256,384,512]}'
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+CG=""
+if [ "$LEVERS" = on ]; then
+  export VLLM_USE_MEGA_AOT_ARTIFACT=1
+  CG='--compilation-config {"cudagraph_capture_sizes":[1,2,4,8,16,24,32,48,64,96,128,192,256,384,512]}'
+fi
 t=$(date +%s)
 python3 bench/gpu_serving.py $SCENARIO --out /tmp/$NAME --model /tmp/llama7b --tokenizer /tmp/tiny --num-prompts $PROMPTS \
   --state-root /tmp/st-$NAME --serve-args "$*" --vllm-args "$CG" > /tmp/$NAME.log 2>&1
