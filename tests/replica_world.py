@@ -120,6 +120,7 @@ class World:
         self.leaving: set[int] = set()
         self.queued = 0
         self.fit = MemoryFit(host_available_mb=20 * GIB, host_footprint_mb=3 * GIB, parked_mb=1.5 * GIB)
+        self.reading_after_s = 0.0  # a serving generation's first memory reading comes this long after ready
         self.nvml = False
         self.has_room = True
         self.visits: list[tuple[int, State]] = []  # (replica, state) in the order entered
@@ -167,7 +168,8 @@ class World:
         pass
 
     def serving(self, gen: Generation) -> None:
-        gen.note_memory(gen.memory, gen.growth, self.fit, gen.to_limit_s)  # type: ignore[arg-type]
+        if not self.reading_after_s:
+            gen.note_memory(gen.memory, gen.growth, self.fit, gen.to_limit_s)  # type: ignore[arg-type]
 
     def stopping(self, gen: Generation) -> None:
         pass
@@ -235,6 +237,9 @@ class World:
                 b.rc = -9
             if g.stop_mark is not None:
                 g.note_stop([] if b.gone_now() else [b.pid], gpu_free=True)
+            if g.ready_mono is not None and g.fit is None and self.reading_after_s \
+                    and self.now - g.ready_mono >= self.reading_after_s:
+                g.note_memory(g.memory, g.growth, self.fit, g.to_limit_s)  # type: ignore[arg-type]
             if b.rc is not None or g.ready_mono is not None:
                 continue
             if g.gate is None:

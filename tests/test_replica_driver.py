@@ -80,6 +80,40 @@ def test_overlap_switches_with_no_gap_and_the_old_one_retires_behind(tmp_path: P
     assert rec == ("overlap", 0.0)
 
 
+def test_a_recycle_asked_for_before_the_first_memory_reading_waits_for_it_not_cold(tmp_path: Path) -> None:
+    """`auto` chooses from memory readings: asked the moment a generation serves, before its
+    first reading, it would go cold (a gap in service: the demo's forced recycle did). It waits
+    in `waiting_turn`, serving, then overlaps once the reading says two fit."""
+    async def scenario(w: World) -> None:
+        w.reading_after_s = 3.0
+        await serving(w)
+        d = await w.command(RecycleCmd("test"))
+        assert d.reply.accepted and "no memory reading yet" in d.reply.detail, d.reply.detail
+        assert w.drivers[0].state is S.WAITING_TURN and set(w.routes) == {1} and w.number == 1
+        await w.run_until(lambda: w.drivers[0].current.number == 2)
+        assert w.states() == [S.STARTING, S.SERVING, S.WAITING_TURN, S.OVERLAP_STARTING, S.SERVING]
+
+    w = run(tmp_path, scenario, cfg())
+    assert rows(w, "SELECT strategy, downtime_s FROM recycles") == [("overlap", 0.0)]
+
+
+def test_without_any_memory_reading_a_recycle_waits_at_most_so_long(tmp_path: Path) -> None:
+    """No reading ever (the monitor cannot read): after READING_WAIT_S the recycle goes on,
+    cold, as `auto` must without readings."""
+    from vllm_guard.runtime.replica.decide import READING_WAIT_S
+
+    async def scenario(w: World) -> None:
+        w.reading_after_s = 1e9
+        await serving(w)
+        d = await w.command(RecycleCmd("test"))
+        assert d.reply.accepted and w.drivers[0].state is S.WAITING_TURN
+        waited = await w.run_until(lambda: w.drivers[0].state is not S.WAITING_TURN)
+        assert READING_WAIT_S - 2 <= waited <= READING_WAIT_S + 2 and w.drivers[0].state is S.DRAINING
+
+    w = run(tmp_path, scenario, cfg())
+    assert [r[0] for r in rows(w, "SELECT strategy FROM recycles")] == ["cold"]
+
+
 def test_gated_parks_then_opens_the_gate_only_once_the_old_one_is_gone(tmp_path: Path) -> None:
     async def scenario(w: World) -> None:
         w.nvml = True

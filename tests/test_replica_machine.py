@@ -34,7 +34,7 @@ def facts(**kw: object) -> Facts:
 def gen(n: int, phase: GenPhase, **kw: object) -> GenView:
     base: dict[str, object] = {"number": n, "phase": phase, "spawned_at": NOW - 10, "deadline": NOW + 100}
     if phase is not GenPhase.BOOTING:
-        base["ready_at"] = NOW - 5
+        base["ready_at"] = NOW - 60  # serving a minute, with no memory reading: `auto` decides without one
     base.update(kw)
     return GenView(**base)  # type: ignore[arg-type]
 

@@ -31,7 +31,7 @@ from vllm_guard.core.protocol import RuntimeState
 
 from . import triggers
 from .machine import COARSE, Machine, Recycle, State, Wanted
-from .strategy import MemoryFit, Strategy, choose, gated_fits
+from .strategy import AUTO, MemoryFit, Strategy, choose, gated_fits
 from .view import (
     Abandon, Decision, Drain, Effect, Event, Extend, ExitAll, Failure, Finish, GenPhase, GenView, GiveUp, GoLive,
     HoldCmd, LearnGate, LearnStandby, LearnStart, Leaving, OpenGate, PastLimit, Promote, RecycleBegan, RecycleCmd, RecycleMark,
@@ -44,6 +44,7 @@ KILL_WAIT_S = 10.0  # after SIGKILL, how long a generation's processes get to di
 EXTEND_EVERY_S = 10.0
 URGENCY_SHARE = 0.5  # a memory-triggered recycle gives its successor this share of the time left
 STANDBY_TRIES = 3  # standbys in a row that die or cannot park before the replica stops keeping one
+READING_WAIT_S = 30.0  # longest a planned recycle waits for a new generation's first memory reading
 
 SERVING_STATES = frozenset({S.SERVING, S.STANDBY, S.WAITING_TURN, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY})
 RECYCLABLE = frozenset({S.SERVING, S.STANDBY})
@@ -247,7 +248,7 @@ def _waiting_turn(v: ReplicaView, now: float, out: _Out) -> None:
     t = _trigger(v, now)
     if t is not None and t.cls is EndClass.PREVENTIVE and wanted.cls is not EndClass.PREVENTIVE:
         wanted = Wanted(t.reason, t.cls, wanted.strategy)  # a leak caught while waiting is what it is
-    why = v.facts.others_why
+    why = _wait_why(v, now, wanted.strategy)
     if why is None:
         out.set(wanted=None, deferred=None)
         _begin(v, now, out, wanted.reason, wanted.cls, wanted.strategy)
@@ -495,8 +496,22 @@ def _retiring(v: ReplicaView, now: float, out: _Out) -> None:
 
 
 # -- recycles ----------------------------------------------------------------------------------
+def _wait_why(v: ReplicaView, now: float, strategy: str | None) -> str | None:
+    """Why a planned recycle waits before it begins, or None: the rolling rule (another replica
+    recycles or does not serve), or, for `auto`, a generation that became ready so recently that
+    no memory reading says yet which strategy fits (without one, `auto` could only go cold: a
+    recycle asked for the moment a generation serves would leave the replica without service)."""
+    f, cur = v.facts, v.current
+    if f.others_why is not None:
+        return f.others_why
+    if (cur is not None and cur.fit is None and v.successor is None and cur.ready_at is not None
+            and now - cur.ready_at < READING_WAIT_S and (strategy or f.cfg.server.recycle_strategy) == AUTO):
+        return f"generation {cur.number} has no memory reading yet to choose the strategy from"
+    return None
+
+
 def _begin_or_wait(v: ReplicaView, now: float, out: _Out, reason: str, cls: EndClass, strategy: str | None) -> None:
-    why = v.facts.others_why
+    why = _wait_why(v, now, strategy)
     if why is None:
         _begin(v, now, out, reason, cls, strategy)
         return
@@ -710,9 +725,9 @@ def _recycle_cmd(v: ReplicaView, cmd: RecycleCmd, now: float, out: _Out) -> None
         out.add(Reply(False, f"held ({f.hold}): planned recycles wait for release"))
     elif f.stopping or v.machine.state not in RECYCLABLE or cur is None:
         out.add(Reply(False, _why_not(v)))
-    elif f.others_why is not None:
+    elif (why := _wait_why(v, now, cmd.strategy)) is not None:
         _begin_or_wait(v, now, out, cmd.reason, cmd.cls, cmd.strategy)
-        out.add(Reply(True, f"{where}waits for its turn ({f.others_why})"))
+        out.add(Reply(True, f"{where}waits ({why})"))
     else:
         _begin(v, now, out, cmd.reason, cmd.cls, cmd.strategy)
         st, nxt_n = out.m.state, "next"
