@@ -1,4 +1,4 @@
-"""`vllm-guard demo`: the product in two minutes on the embedded tiny model.
+"""`vllm-guard demo`: the product in a few minutes on the embedded tiny model.
 
 Serves the tiny model under the guard, drives concurrent streaming load through the proxy while
 the guard recycles on `max_requests`, forces one more graceful recycle through the admin socket
