@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -47,7 +48,12 @@ def test_kill_9_of_engine_core_under_eight_long_streams_fails_none(srv: GuardSer
     gen = st["generation"]
     engine = next(c["pid"] for c in st["children"] if c["role"] == "engine_core")
 
+    at_kill: dict[str, Any] = {}
+
     def kill() -> Any:
+        # what the guard still had in flight (vLLM had not ended it); read from a thread: the storm's loop runs here
+        with ThreadPoolExecutor(1) as pool:
+            at_kill.update(pool.submit(srv.status).result()["requests"])
         os.kill(engine, signal.SIGKILL)
 
     # 3 000 tokens: on a starved box the client may read seconds behind vLLM, and a stream vLLM
@@ -59,7 +65,11 @@ def test_kill_9_of_engine_core_under_eight_long_streams_fails_none(srv: GuardSer
     after = srv.wait_serving(gen + 1, 600)
     r = after["requests"]
     assert r["failed"] == 0 and r["unresumable"] == 0, r
-    assert r["resumed"] == 8 and r["resumes"] >= 8, r  # every first stream went on at generation gen + 1
+    # every stream the guard still had in flight at the kill went on at generation gen + 1 (all 8
+    # unless the box was so starved that the client read 16 tokens after vLLM had sent a stream's
+    # end: that stream needs no resume; one may also get its end between the status read and the kill)
+    cut = at_kill["in_flight"]
+    assert 1 <= cut <= 8 and cut - 1 <= r["resumed"] <= cut and r["resumes"] >= r["resumed"], (at_kill, r)
     assert after["failures"] == 1 and after["recent_failures"][0]["kind"] == "crash"
     figures = summary(res)
     print(f"resume_real: {figures} wall {time.monotonic() - t0:.1f} s")
