@@ -13,21 +13,28 @@ protocol, one `Conn` per connection:
   still sending headers) is closed to make room; if every connection has a request in
   progress, the newcomer gets a 503 with Retry-After and is closed;
 - a new connection that has not completed its request headers within `header_timeout` is
-  closed (slowloris) — counted in the runtime's own time: when its event loop did not run (a
-  starved box), the timer fires late, before the loop has read what the client sent meanwhile
-  (uvloop runs timers before it polls), so a late timer gives the connection its time again
-  instead of closing it; aiohttp's keep-alive timeout (`[server] idle_timeout`) closes kept-alive
-  connections that go quiet, or that start a request and never finish its headers.
+  closed (slowloris). Its timer stops at the empty line that ends the header block, when the
+  bytes come in, not when aiohttp's handler starts a few loop turns later. A starved runtime
+  (its loop not scheduled for 10 s and more on a loaded 2-core box) must not cut a client that
+  sent in time: when the loop runs again, uvloop runs the due timer before it polls, so the
+  request is still unread in the socket. A timer that finds bytes waiting unread (FIONREAD), or
+  that fires late, gives the connection another `GRACE_S` instead of closing it; the next check
+  finds them read, and the headers either complete or not. aiohttp's keep-alive timeout
+  (`[server] idle_timeout`) closes kept-alive connections that go quiet, or that start a request
+  and never finish its headers.
 
 The proxy tells the gate when a request starts and ends on a connection (`request_started`,
-`request_ended`); nothing else here knows about HTTP.
+`request_ended`); the end of a header block is all the HTTP known here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import resource
+import struct
+import termios
 import time
 from typing import Any, Callable, cast
 
@@ -37,6 +44,20 @@ log = structlog.get_logger("vllm_guard.proxy")
 
 RESERVE_MIN = 64  # descriptors kept for everything but client connections and their upstreams
 LATE_S = 0.5  # a header timer this late means the loop was not running when it was due
+GRACE_S = 1.0  # what a header timer that finds the loop was not running gives the connection again
+HEADERS_END = b"\r\n\r\n"
+
+
+def unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes the client sent that the loop has not read yet (0 when unknown)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return int(struct.unpack("i", raw)[0])
 
 
 def reserve(soft_limit: int) -> int:
@@ -74,6 +95,7 @@ class Conn(asyncio.Protocol):
         self.since = time.monotonic()  # connected, or its last request ended
         self._timer: asyncio.TimerHandle | None = None
         self._due = 0.0  # when the header timer should fire (the loop's clock)
+        self._tail = b""  # the last bytes seen while the header block is incomplete
 
     # asyncio.Protocol, delegated to aiohttp's handler once admitted
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -86,6 +108,12 @@ class Conn(asyncio.Protocol):
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        if self._timer is not None:  # the header block of the first request is still incomplete
+            seen = self._tail + data
+            if HEADERS_END in seen:
+                self._cancel_timer()  # complete: the handler starts a few loop turns from now
+            else:
+                self._tail = seen[-(len(HEADERS_END) - 1):]
         if self.inner is not None:
             self.inner.data_received(data)
 
@@ -119,14 +147,18 @@ class Conn(asyncio.Protocol):
 
     def _header_timeout(self) -> None:
         self._timer = None
-        late = asyncio.get_running_loop().time() - self._due
-        if late > LATE_S and self.busy == 0 and self.served == 0:
-            self._arm(min(late, self.gate.header_timeout))  # the loop was stalled, not the client
+        if self.busy or self.served or self.transport is None:
             return
-        if self.busy == 0 and self.served == 0 and self.transport is not None:
-            self.gate.header_timeouts += 1
-            log.info("connection_header_timeout", timeout_s=self.gate.header_timeout)
-            self.close()
+        late = asyncio.get_running_loop().time() - self._due
+        if late > LATE_S:  # the loop was not running when the timer was due: its time again
+            self._arm(min(late, self.gate.header_timeout))
+            return
+        if unread_bytes(self.transport):  # sent, but the loop has not read it yet: look again
+            self._arm(GRACE_S)
+            return
+        self.gate.header_timeouts += 1
+        log.info("connection_header_timeout", timeout_s=self.gate.header_timeout)
+        self.close()
 
     def started(self) -> None:
         self._cancel_timer()
