@@ -173,7 +173,7 @@ class GuardServer:
 
     def admin(self, command: str, *extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*GUARD_CMD, command, "--state-dir", str(self.state_dir), *extra],
-                              capture_output=True, text=True, timeout=30)
+                              capture_output=True, text=True, timeout=300)
 
     def wait_for(self, pred: Any, timeout: float = 300.0, what: str = "condition") -> dict[str, Any]:
         end = time.monotonic() + timeout

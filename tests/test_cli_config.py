@@ -12,7 +12,7 @@ from vllm_guard.core.config import ConfigError, load, parse_duration, validate
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*GUARD_CMD, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+    return subprocess.run([*GUARD_CMD, *args], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
 @pytest.mark.parametrize(

@@ -124,12 +124,12 @@ def test_haproxy_config_passes_haproxy_and_checks_readiness(tmp_path: Path) -> N
     haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
     assert Path(haproxy).exists(), "haproxy not installed (.ci/system-deps installs Debian's package)"
     cfg = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
-    out = subprocess.run([haproxy, "-c", "-f", str(cfg)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([haproxy, "-c", "-f", str(cfg)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"http-check send meth GET uri {routes.READY_PATH}" in cfg.read_text()
     bad = tmp_path / "bad.cfg"
     bad.write_text(cfg.read_text().replace("balance leastconn", "balance fastest"))
-    assert subprocess.run([haproxy, "-c", "-f", str(bad)], capture_output=True, timeout=60).returncode != 0
+    assert subprocess.run([haproxy, "-c", "-f", str(bad)], capture_output=True, timeout=600).returncode != 0
 
 
 def test_nginx_config_passes_nginx(tmp_path: Path) -> None:
@@ -140,10 +140,10 @@ def test_nginx_config_passes_nginx(tmp_path: Path) -> None:
     main = tmp_path / "nginx.conf"
     main.write_text(f"pid {tmp_path}/nginx.pid;\nerror_log stderr;\nevents {{}}\nhttp {{ include {conf}; }}\n")
     out = subprocess.run([nginx, "-t", "-c", str(main), "-p", str(tmp_path), "-e", "stderr"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "syntax is ok" in out.stderr, out.stdout + out.stderr
     broken = tmp_path / "broken.conf"
     broken.write_text(conf.read_text().replace("least_conn;", "least_conn"))
     main.write_text(f"pid {tmp_path}/nginx.pid;\nerror_log stderr;\nevents {{}}\nhttp {{ include {broken}; }}\n")
     assert subprocess.run([nginx, "-t", "-c", str(main), "-p", str(tmp_path), "-e", "stderr"],
-                          capture_output=True, timeout=60).returncode != 0
+                          capture_output=True, timeout=600).returncode != 0

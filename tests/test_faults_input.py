@@ -136,11 +136,11 @@ def test_an_executable_path_with_spaces_and_specifiers_is_one_word_to_systemd(tm
     unit = tmp_path / "t-escape.service"
     unit.write_text(f"[Service]\nType=oneshot\nExecStart={R.exec_word(str(exe), first=True)} serve "
                     f"{R.exec_word(arg)}\n")
-    r = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr  # verify checks that the executable exists: one word
     unquoted = tmp_path / "t-plain.service"  # (the attack: the same path unquoted is not)
     unquoted.write_text(f"[Service]\nType=oneshot\nExecStart={exe} serve\n")
-    r = subprocess.run([tool, "verify", str(unquoted)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([tool, "verify", str(unquoted)], capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
 
 

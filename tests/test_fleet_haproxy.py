@@ -132,7 +132,7 @@ class Haproxy:
         self.cfg = tmp / "haproxy.cfg"
         self.cfg.write_text(HAPROXY_CFG.format(port=self.port, ready=READY_PATH, inter=INTER_S, fall=FALL, rise=RISE,
                                                a=a, b=b))
-        check = subprocess.run([HAPROXY, "-c", "-f", str(self.cfg)], capture_output=True, text=True, timeout=30)
+        check = subprocess.run([HAPROXY, "-c", "-f", str(self.cfg)], capture_output=True, text=True, timeout=300)
         assert check.returncode == 0, check.stdout + check.stderr
         self.log = HaproxyLog()
         self.stderr = open(tmp / "haproxy.stderr", "w")  # its own warnings repeat the log's state lines

@@ -112,7 +112,7 @@ def test_engine_core_parks_until_the_gate_opens_then_goes_on(tmp_path: Path) -> 
         (report,) = contract.read_states(tmp_path, 7).values()
         assert report.patches["startup-gate"].state == "applied"
         contract.open_gate(gate)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-2000:]
@@ -234,7 +234,7 @@ def test_a_warm_engine_imports_its_list_then_parks(tmp_path: Path, case: str) ->
         (report,) = contract.read_states(tmp_path, 7).values()
         assert report.warm == rep.warm  # the process report says it too
         contract.open_gate(gate)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-2000:]

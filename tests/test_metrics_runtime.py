@@ -232,8 +232,8 @@ def test_each_replicas_vllm_metrics_are_reexported_with_its_label(tmp_path: Path
             assert v[(name, tuple(sorted({**dict(labels), "replica": r}.items())))] == x, name
     promtool = shutil.which("promtool")
     assert promtool, "promtool not installed (apt-get install prometheus)"
-    ours = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=60)
-    theirs = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    ours = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=600)
+    theirs = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=600)
     assert ours.returncode in (0, 3) and "parsing error" not in ours.stdout + ours.stderr, ours.stdout + ours.stderr
 
     def lint(out: subprocess.CompletedProcess[str]) -> set[str]:

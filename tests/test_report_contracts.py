@@ -213,7 +213,7 @@ def test_bad_inputs_are_one_line_and_exit_2(tmp_path: Path) -> None:
     assert not Path("/nonexistent").exists()
     before = other.read_bytes()
     for db, says in ((notledger, "not a vllm-guard ledger"), (other, "not a vllm-guard ledger")):
-        out = subprocess.run([GUARD, "soak", "--resume", "--db", str(db)], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([GUARD, "soak", "--resume", "--db", str(db)], capture_output=True, text=True, timeout=600)
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
     assert other.read_bytes() == before  # the soak did not add its tables to someone else's file
 

@@ -158,7 +158,7 @@ def test_sigint_interrupts_and_resume_finishes(upstream_factory: Any, tmp_path: 
     assert p.wait(30) == 130
     assert rows(db, "SELECT status FROM runs") == [("interrupted",)]
     out = subprocess.run([GUARD, "soak", "--resume", "--db", str(db), "--no-progress"], capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     n = Schedule(20.0, 1.0, 0).count_within(4.0)
     assert rows(db, "SELECT COUNT(*), COUNT(DISTINCT request_id), SUM(error IS NULL) FROM requests") == [(n, n, n)]
@@ -169,7 +169,7 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     for args in (["soak", "--url", "http://127.0.0.1:1", "--db", str(tmp_path / "x")],
                  ["soak", "--resume", "--db", str(tmp_path / "none.sqlite")],
                  ["report", "--db", str(tmp_path / "none.sqlite")]):
-        out = subprocess.run([GUARD, *args], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([GUARD, *args], capture_output=True, text=True, timeout=600)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr)
 
 
@@ -200,9 +200,9 @@ def test_soak_section_of_the_config_then_flags(upstream_factory: Any, tmp_path: 
                        ('[watchdog]\nintervall = "1s"\n', "[watchdog] intervall is not a known key")):
         cfg.write_text(text)
         out = subprocess.run([GUARD, "soak", "--config", str(cfg), "--url", up.url, "--db", str(tmp_path / "x.sqlite")],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=600)
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and says in out.stderr, (text, out.stderr)
     out = subprocess.run([GUARD, "soak", "--url", up.url, "--db", str(tmp_path / "x.sqlite"), "--duration", "soon"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "duration has value 'soon'" in out.stderr
     assert up.stats()["posts"] == Schedule(20.0, 1.0, 3).count_within(1.0)  # nothing more was sent

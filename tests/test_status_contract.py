@@ -24,7 +24,7 @@ from vllm_guard.runtime.records.statusfmt import format_status
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*GUARD_CMD, *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([*GUARD_CMD, *args], capture_output=True, text=True, timeout=600)
 
 
 def raw(sock: Path, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:

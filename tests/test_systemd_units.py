@@ -150,11 +150,11 @@ def test_reinstall_keeps_edited_config_and_uninstall_keeps_the_ledger(tmp_path: 
     ledger = root / "var/lib/vllm-guard/ledger.sqlite"
     ledger.parent.mkdir(parents=True)
     ledger.write_bytes(b"ledger")
-    r = subprocess.run([VG, "uninstall", "--root", str(root)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([VG, "uninstall", "--root", str(root)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert not list((root / "etc/systemd/system").rglob("vllm-guard*"))
     assert conf.exists() and ledger.read_bytes() == b"ledger"
-    r = subprocess.run([VG, "uninstall", "--root", str(root), "--purge"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([VG, "uninstall", "--root", str(root), "--purge"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and not conf.exists() and ledger.exists()
 
 

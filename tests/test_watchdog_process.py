@@ -89,7 +89,7 @@ def test_config_error_is_one_line_exit_2(tmp_path: Path, entry: str) -> None:
     cfg = tmp_path / "guard.toml"
     cfg.write_text('[watchdog]\ninterval = "fast"\n')
     out = subprocess.run([*ENTRIES[entry], "--config", str(cfg), "--once"], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=600)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "vllm-guard: error: [watchdog] interval has value 'fast': not a duration (use e.g. 90s, 30m, 24h, 1d)"]
@@ -106,7 +106,7 @@ def test_config_validates_every_section(tmp_path: Path, text: str, line: str) ->
     cfg = tmp_path / "guard.toml"
     cfg.write_text("[watchdog]\nkernel = \"off\"\n" + text)
     out = subprocess.run([*WATCHDOG, "--config", str(cfg), "--once", "--state-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=600)
     assert (out.returncode, out.stderr.strip().splitlines()) == (2, [f"vllm-guard: error: {line}"])
 
 
@@ -117,7 +117,7 @@ def test_config_validates_every_section(tmp_path: Path, text: str, line: str) ->
 ])
 def test_flags_go_through_the_same_schema(tmp_path: Path, flag: str, value: str, line: str) -> None:
     out = subprocess.run([*WATCHDOG, flag, value, "--once", "--state-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=600)
     assert (out.returncode, out.stderr.strip().splitlines()) == (2, [f"vllm-guard: error: {line}"])
 
 
