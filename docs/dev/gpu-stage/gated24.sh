@@ -6,7 +6,8 @@
 set -u
 NAME=$1; shift
 # LEVERS=off: vLLM's defaults (no VLLM_USE_MEGA_AOT_ARTIFACT, vLLM's own CUDA-graph sizes).
-SCENARIO=${SCENARIO:-gated24}; PROMPTS=${PROMPTS:-1200}; LEVERS=${LEVERS:-on}
+# BENCH_ARGS: more bench/gpu_serving.py flags, e.g. BENCH_ARGS="--kill-at 90 190" for kills24.
+SCENARIO=${SCENARIO:-gated24}; PROMPTS=${PROMPTS:-1200}; LEVERS=${LEVERS:-on}; BENCH_ARGS=${BENCH_ARGS:-}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . >/dev/null 2>&1 || echo "install failed"
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
 CG=""
@@ -16,7 +17,7 @@ if [ "$LEVERS" = on ]; then
 fi
 t=$(date +%s)
 python3 bench/gpu_serving.py $SCENARIO --out /tmp/$NAME --model /tmp/llama7b --tokenizer /tmp/tiny --num-prompts $PROMPTS \
-  --state-root /tmp/st-$NAME --serve-args "$*" --vllm-args "$CG" > /tmp/$NAME.log 2>&1
+  --state-root /tmp/st-$NAME --serve-args "$*" --vllm-args "$CG" $BENCH_ARGS > /tmp/$NAME.log 2>&1
 echo "bench rc=$? in $(( $(date +%s) - t )) s"; tail -2 /tmp/$NAME.log | cut -c1-900
 cp /tmp/st-$NAME/$SCENARIO/logs/generation-*.log /tmp/$NAME/$SCENARIO/ 2>/dev/null
 cp /tmp/st-$NAME/$SCENARIO/patches/warm-imports-*.json /tmp/$NAME/$SCENARIO/ 2>/dev/null
