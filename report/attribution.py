@@ -6,7 +6,10 @@ client disconnect), errors, prompt or output tokens, streamed requests, or plain
 watchdog records, in each tick, the process memory and the runtime's request counters. Within
 one generation (a recycle starts fresh processes) the memory change between two consecutive
 ticks is regressed on the change of each counter in the same interval, plus the interval's
-length in hours (growth that no request explains):
+length in hours (growth that no request explains). Intervals that begin before the generation's
+warm-up (`core.leak.warmed_up`, the same rule and setting as the leak slopes) are left out: a
+generation's own start (weights, KV cache, CUDA graphs, a recycle's successor that the status
+already names while it starts) is not a leak, and would otherwise dwarf one:
 
     dy_t = sum_k beta_k * dx_k,t + beta_time * dt_t + e_t      (no intercept; all generations)
 
@@ -34,6 +37,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
+from vllm_guard.core import leak as rule
 from vllm_guard.core.samples import StatusBrief, Tick
 from vllm_guard.core.timefmt import epoch
 
@@ -65,6 +69,7 @@ class Obs:
     pid: int
     mb: float
     counters: dict[str, float]
+    requests: int | None = None  # requests its generation had taken (the warm-up's measure)
 
 
 def _counters(st: StatusBrief) -> dict[str, float]:
@@ -93,13 +98,16 @@ def observations(ticks: list[Tick] | None) -> dict[tuple[str, str], list[Obs]]:
             pid = int(pid_s)
             for kind, mb in (("rss_mb", m.rss_mb), ("uss_mb", m.uss_mb), ("gpu_mb", gpu.get(pid))):
                 if mb is not None:
-                    out.setdefault((m.role.value, kind), []).append(Obs(t, s.status.generation, pid, mb, c))
+                    out.setdefault((m.role.value, kind), []).append(
+                        Obs(t, s.status.generation, pid, mb, c, s.status.requests_generation))
     return out
 
 
-def _design(obs: list[Obs]) -> tuple[np.ndarray, np.ndarray, list[str], dict[str, float]]:
-    """Rows of consecutive-tick differences within one (generation, pid); the columns are the
-    features that moved, then time in hours. Also the total change of each feature."""
+def _design(obs: list[Obs], warmup: int = rule.WARMUP_REQUESTS
+            ) -> tuple[np.ndarray, np.ndarray, list[str], dict[str, float]]:
+    """Rows of consecutive-tick differences within one (generation, pid), from a warmed-up tick
+    on; the columns are the features that moved, then time in hours. Also the total change of
+    each feature."""
     names = [n for n in FEATURES if any(n in o.counters for o in obs)]
     rows: list[list[float]] = []
     ys: list[float] = []
@@ -108,7 +116,7 @@ def _design(obs: list[Obs]) -> tuple[np.ndarray, np.ndarray, list[str], dict[str
         key = (o.generation, o.pid)
         p = prev.get(key)
         prev[key] = o
-        if p is None:
+        if p is None or not rule.warmed_up(p.requests, warmup):
             continue
         d = [o.counters.get(n, 0.0) - p.counters.get(n, 0.0) for n in names]
         if any(v < 0 for v in d):
@@ -137,9 +145,9 @@ def _independent(x: np.ndarray, cols: list[str]) -> tuple[list[int], list[str]]:
     return keep, dropped
 
 
-def attribute(obs: list[Obs], confidence: float = 0.90) -> dict[str, Any]:
+def attribute(obs: list[Obs], confidence: float = 0.90, warmup: int = rule.WARMUP_REQUESTS) -> dict[str, Any]:
     """Per-feature cost (MB per unit) with its interval, and the named cause."""
-    x, y, cols, totals = _design(obs)
+    x, y, cols, totals = _design(obs, warmup)
     base: dict[str, Any] = {"intervals": int(len(y)), "features": [], "cause": None, "left_out": [],
                             "withheld": None}
     if len(y) < MIN_INTERVALS:
@@ -206,7 +214,7 @@ def _typed(role: str, kind: str, a: dict[str, Any], line: str | None) -> Process
 
 
 def attribution_report(ticks: list[Tick] | None, confidence: float = 0.90,
-                       min_growth_mb: float = 1.0) -> AttributionFigures:
+                       min_growth_mb: float = 1.0, warmup: int = rule.WARMUP_REQUESTS) -> AttributionFigures:
     """Every (role, memory kind) with enough ticks; `lines` are the headlines of those that grew
     by at least `min_growth_mb` summed over their intervals."""
     by = observations(ticks)
@@ -216,7 +224,7 @@ def attribution_report(ticks: list[Tick] | None, confidence: float = 0.90,
     procs = []
     lines = []
     for (role, kind), obs in sorted(by.items()):
-        a = attribute(obs, confidence)
+        a = attribute(obs, confidence, warmup)
         line = headline(role, kind, a) if a["cause"] is not None and a.get("growth_mb", 0.0) >= min_growth_mb else None
         procs.append(_typed(role, kind, a, line))
         if line:
