@@ -5,9 +5,11 @@ HTML, `vllm-guard status`) calls `service_figures` on the runtime's tables, so t
 
 Rules (GUIDE §3, MIL-HDBK-781 time-truncated test):
 - Up time is the sum of each generation's serving interval (ready -> end; serving -> now);
-  downtime is the gaps between one generation's end and the next one's ready, per replica
-  (planned after a recycle, unplanned after a failure or a reboot). With replicas, both are
-  replica-hours.
+  downtime is the gaps between one serving generation's end and the next one's ready, per
+  replica (planned after a recycle, unplanned after a failure or a reboot). A generation that
+  never served (a successor stopped while it started) opens no gap of its own: the outage it
+  sits in is the last serving generation's gap, counted once; if it failed, that gap is
+  unplanned from its failure on. With replicas, both are replica-hours.
 - An unplanned event is a generation that ended `unplanned`, or that has a `failures` row of
   class unplanned (a crash and its failure row are one event), or a host reboot between two
   generations (a boot_id change). Planned recycles (scheduled, preventive) never count.
@@ -202,8 +204,15 @@ def service_figures(h: RuntimeHistory, now: float, confidence: float = 0.90, bou
             continue
         nxt = gens[same[k + 1]]
         # restored means serving again: the first later generation of this replica that was ready
-        served = next((gens[j] for j in same[k + 1:] if epoch(gens[j].ready_at) is not None), None)
+        later = same[k + 1:]
+        served_at = next((n for n, j in enumerate(later) if epoch(gens[j].ready_at) is not None), None)
+        served = gens[later[served_at]] if served_at is not None else None
         next_ready = epoch(served.ready_at) if served is not None else None
+        if ready is None and next_ready is not None and any(epoch(gens[j].ready_at) is not None for j in same[:k]):
+            # never served, inside the gap of the last generation that did: that gap counts it
+            if unplanned and not events[i].get("restored_at"):
+                events[i]["restored_at"] = iso_from_epoch(next_ready)
+            continue
         if unplanned and next_ready is None:
             unplanned_down += max(0.0, now_or_end(gens, same[k + 1:], now) - stop)  # not restored (yet)
             continue
@@ -220,8 +229,14 @@ def service_figures(h: RuntimeHistory, now: float, confidence: float = 0.90, bou
             unplanned_down += gap
             if not events[i].get("restored_at"):
                 events[i]["restored_at"] = iso_from_epoch(next_ready)
-        else:
-            planned_down += gap
+            continue
+        # planned, unless a successor that never served failed inside it: unplanned from then on
+        failed_in_gap = [t for j in later[:served_at or 0]
+                         if (gens[j].end_class == UNPLANNED or j in fail_by_row)
+                         and (t := epoch(gens[j].ended_at)) is not None]
+        cut = min(max(min(failed_in_gap), stop), next_ready) if failed_in_gap and served is not None else next_ready
+        planned_down += max(0.0, cut - stop)
+        unplanned_down += max(0.0, next_ready - max(cut, stop))
     out_events = []
     for ev in events.values():
         a, b = epoch(ev["at"]), epoch(ev["restored_at"])

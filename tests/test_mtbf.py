@@ -59,12 +59,13 @@ def _ts(base: dt.datetime, s: float) -> str:
 B = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
 
-def _gen(conn: object, g: int, s: float, r: float, e: float | None, cls: str | None, boot: str = "boot-a",
+def _gen(conn: object, g: int, s: float, r: float | None, e: float | None, cls: str | None, boot: str = "boot-a",
          reason: str | None = None) -> None:
     conn.execute(  # type: ignore[attr-defined]
         "INSERT INTO generations (generation, started_at, ready_at, ended_at, end_class, end_reason, boot_id, "
         "gpu_name) VALUES (?, ?, ?, ?, ?, ?, ?, 'NVIDIA H200')",
-        (g, _ts(B, s), _ts(B, r), _ts(B, e) if e is not None else None, cls, reason or (cls and "x"), boot))
+        (g, _ts(B, s), _ts(B, r) if r is not None else None, _ts(B, e) if e is not None else None, cls,
+         reason or (cls and "x"), boot))
 
 
 def _failure(conn: object, g: int, kind: str, at: float, restored: float, cls: str = "unplanned") -> None:
@@ -97,6 +98,40 @@ def test_service_figures_from_a_ledger(tmp_path: Path) -> None:
     assert s.mttr_s == pytest.approx((100 + 660) / 2, abs=1)
     assert s.mtbf is not None and s.mtbf.mtbf_h == pytest.approx(up / 3600 / 2, abs=1e-3)
     assert s.gpu_names == ["NVIDIA H200"]
+
+
+def test_a_successor_that_never_served_opens_no_gap_of_its_own(tmp_path: Path) -> None:
+    """The serving generation crashes while its overlap successor is still starting; the runtime
+    stops the successor (ended `scheduled`, never ready) and starts another. One outage, counted
+    once and unplanned: the successor's end is inside it, not a planned gap beside it."""
+    conn = L.connect(tmp_path / "l.sqlite")
+    _gen(conn, 1, 0, 60, 1000, "unplanned", reason="crash")
+    _gen(conn, 2, 800, None, 1000, "scheduled")
+    _gen(conn, 3, 1001, 1033, 2000, "scheduled")
+    _failure(conn, 1, "crash", 1000, 1033)
+    h = L.read_runtime(conn)
+    conn.close()
+    s = service_figures(h, (B + dt.timedelta(seconds=2000)).timestamp())
+    assert s.downtime_unplanned_s == pytest.approx(33, abs=0.1) and s.downtime_planned_s == 0, s
+    assert s.failures_unplanned == 1 and s.mttr_s == pytest.approx(33, abs=0.1)
+    assert s.availability == pytest.approx((940 + 967) / (940 + 967 + 33), abs=1e-4)
+
+
+def test_a_successor_that_fails_to_start_makes_the_rest_of_a_planned_gap_unplanned(tmp_path: Path) -> None:
+    """A cold recycle: the old generation stops (planned), its successor dies while starting
+    (unplanned, never ready), the next one serves. 40 s planned until the failure, 60 s
+    unplanned after it; one unplanned event, restored when the third served."""
+    conn = L.connect(tmp_path / "l.sqlite")
+    _gen(conn, 1, 0, 60, 1000, "scheduled")
+    _gen(conn, 2, 1000, None, 1040, "unplanned", reason="crash")
+    _gen(conn, 3, 1041, 1100, 2000, "scheduled")
+    h = L.read_runtime(conn)
+    conn.close()
+    s = service_figures(h, (B + dt.timedelta(seconds=2000)).timestamp())
+    assert s.downtime_planned_s == pytest.approx(40, abs=0.1), s
+    assert s.downtime_unplanned_s == pytest.approx(60, abs=0.1), s
+    assert s.failures_unplanned == 1 and s.unplanned_events[0].generation == 2
+    assert s.unplanned_events[0].restore_s == pytest.approx(60, abs=0.1)
 
 
 def _two_runtime_lives(state: Path) -> None:
