@@ -1,7 +1,8 @@
 """The live progress bar (rich): elapsed/total, requests, error rate, p50/p99 TTFT.
 
 On a terminal it redraws twice a second; elsewhere (CI logs, systemd) it prints one plain line
-every 30 s so a 24 h log stays small.
+every `LOG_INTERVAL_S` so a 24 h log stays small, and a summary at the end (the decision and
+the throttle are `vllm_guard.core.progress.ProgressLine`'s).
 """
 
 from __future__ import annotations
@@ -9,10 +10,17 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from typing import Callable, TextIO
+
 from rich.console import Console
 from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 
+from vllm_guard.core.progress import ProgressLine
+
 from .live import Live
+
+LOG_INTERVAL_S = 30.0  # not a terminal: one progress line per 30 s (2 880 lines a day)
+TICK_S = 0.5  # how often the progress is read (the bar redraws, the log line may be due)
 
 
 def _ms(v: float | None) -> str:
@@ -20,10 +28,15 @@ def _ms(v: float | None) -> str:
 
 
 class Progress:
-    def __init__(self, live: Live, duration_s: float, offset0: float, mono0: float, enabled: bool) -> None:
+    def __init__(self, live: Live, duration_s: float, offset0: float, mono0: float, enabled: bool, *,
+                 stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic,
+                 interval_s: float = LOG_INTERVAL_S) -> None:
         self.live, self.duration, self.offset0, self.mono0 = live, duration_s, offset0, mono0
-        self.console = Console(stderr=True)
-        self.tty = enabled and self.console.is_terminal
+        self.stream = stream if stream is not None else sys.stderr
+        self.clock = clock
+        self.log = ProgressLine(self.stream, interval_s=interval_s, clock=clock)
+        self.console = Console(file=self.stream)
+        self.tty = enabled and self.log.tty
         self.enabled = enabled
         self._bar: RichProgress | None = None
 
@@ -34,15 +47,19 @@ class Progress:
                 f"TTFT p50 {_ms(L.ttft.quantile(0.5))} ms p99 {_ms(L.ttft.quantile(0.99))} ms")
 
     def _elapsed(self) -> float:
-        return self.offset0 + time.monotonic() - self.mono0
+        return self.offset0 + self.clock() - self.mono0
+
+    def tick(self) -> None:
+        """Off a terminal: the progress now, logged if a line is due."""
+        self.log.update(f"soak {self._elapsed():.0f}/{self.duration:.0f}s  {self._line()}")
 
     async def run(self) -> None:
         if not self.enabled:
             return
         if not self.tty:
             while True:
-                await asyncio.sleep(30)
-                print(f"soak {self._elapsed():.0f}/{self.duration:.0f}s  {self._line()}", file=sys.stderr, flush=True)
+                await asyncio.sleep(TICK_S)
+                self.tick()
         self._bar = RichProgress(TextColumn("soak"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}s"),
                                  TimeElapsedColumn(), TextColumn("{task.fields[line]}"), console=self.console,
                                  refresh_per_second=2)
@@ -50,8 +67,13 @@ class Progress:
         with self._bar:
             while True:
                 self._bar.update(task, completed=min(self.duration, self._elapsed()), line=self._line())
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(TICK_S)
 
     def final(self) -> None:
-        if self.enabled:
-            print(f"soak finished at {self._elapsed():.0f}s run time: {self._line()}", file=sys.stderr, flush=True)
+        if not self.enabled:
+            return
+        text = f"soak finished at {self._elapsed():.0f}s run time: {self._line()}"
+        if self.tty:  # the bar stopped when `run` was cancelled: the summary goes below it
+            print(text, file=self.stream, flush=True)
+        else:
+            self.log.close(text)

@@ -25,6 +25,7 @@ import aiohttp
 
 from vllm_guard.core import admin
 from vllm_guard.core.errors import GuardError
+from vllm_guard.core.progress import ProgressLine
 from vllm_guard.core.protocol import Command, CommandRequest, RuntimeState, StatusSnapshot
 from vllm_guard.core.stream import stream_completion
 
@@ -33,9 +34,11 @@ from .records.statusfmt import format_status
 
 MAX_TOKENS = 16
 LOAD_CAP_S = 300.0  # the load stops after this long even if fewer than three generations served
+PROGRESS_LOG_S = 5.0  # stdout not a terminal: one progress line per this many seconds
+RECYCLE_RETRY_S = 2.0  # a refused forced recycle is asked again after this long
 
 
-async def _force_recycle(state_dir: Path, timeout: float = 600.0) -> None:
+async def _force_recycle(state_dir: Path, out: ProgressLine, timeout: float = 600.0) -> None:
     """The operator's graceful recycle. While one is already under way (the `max_requests` one)
     the runtime refuses it and says why: try again until it is taken."""
     req = CommandRequest(command=Command.RECYCLE, reason="demo: forced by operator")
@@ -48,17 +51,20 @@ async def _force_recycle(state_dir: Path, timeout: float = 600.0) -> None:
                 raise
             if not told:
                 told = True
-                print(f"\n  -> forced recycle refused for now ({e.reply.detail}): trying again", flush=True)
-            await asyncio.sleep(2.0)
+                out.note(f"  -> forced recycle refused for now ({e.reply.detail}): trying again")
+            await asyncio.sleep(RECYCLE_RETRY_S)
             continue
-        print("\n  -> forced a graceful recycle through the admin socket", flush=True)
+        out.note("  -> forced a graceful recycle through the admin socket")
         return
 
 
-async def _load(url: str, model: str, total: int, concurrency: int, state_dir: Path) -> dict[str, Any]:
+async def _load(url: str, model: str, total: int, concurrency: int, state_dir: Path,
+                out: ProgressLine | None = None) -> dict[str, Any]:
     """`concurrency` clients stream back to back: at least `total` streams, and on until three
     generations have served (the `max_requests` recycle and the forced one both done under
-    load), for at most `LOAD_CAP_S` seconds."""
+    load), for at most `LOAD_CAP_S` seconds. Progress goes to `out` (default: stdout, one
+    rewritten line on a terminal, a line per `PROGRESS_LOG_S` elsewhere)."""
+    line = out if out is not None else ProgressLine(sys.stdout, interval_s=PROGRESS_LOG_S)
     per_gen: dict[str, int] = {}
     failed = done = 0
     forced: list[asyncio.Task[None]] = []
@@ -80,13 +86,15 @@ async def _load(url: str, model: str, total: int, concurrency: int, state_dir: P
                 per_gen[gen] = per_gen.get(gen, 0) + 1
                 # complete: [DONE] came and usage says max_tokens (vLLM may merge deltas under load)
                 failed += not (res.error is None and res.output_tokens == MAX_TOKENS)
-                print(f"\r  streamed {done}  failed {failed}  generations {sorted(per_gen)}", end="", flush=True)
+                line.update(f"  streamed {done}  failed {failed}  generations {sorted(per_gen)}")
                 if done >= total // 2 and not forced:
-                    forced.append(asyncio.create_task(_force_recycle(state_dir)))
+                    forced.append(asyncio.create_task(_force_recycle(state_dir, line)))
 
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        await asyncio.gather(*forced)
-    print()
+        try:
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+            await asyncio.gather(*forced)
+        finally:  # an error, too, starts on a line of its own
+            line.close()
     return {"per_generation": per_gen, "failed": failed, "streams": done}
 
 
@@ -113,13 +121,13 @@ def run_demo(state_dir: str | None, port: int | None, total: int) -> int:
            "--max-requests", str(max(total // 3, 4)), "--max-requests-jitter", "2",
            "--", "--enforce-eager", "--max-model-len", "512"]
     print(f"vllm-guard demo: serving the embedded tiny model (random weights: its text is noise)\n"
-          f"  state dir {sd}, proxy http://127.0.0.1:{port}, runtime log {log_path}")
+          f"  state dir {sd}, proxy http://127.0.0.1:{port}, runtime log {log_path}", flush=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         status = _wait_serving(proc, sd, 600)
         print(f"  generation {status.generation} ready (vLLM {status.vllm_version}); children "
-              + ", ".join(f"{c.role.value}={c.pid}" for c in status.children))
+              + ", ".join(f"{c.role.value}={c.pid}" for c in status.children), flush=True)
         t0 = time.monotonic()
         model = status.served_model or status.model
         result = asyncio.run(_load(f"http://127.0.0.1:{port}", model, total, 4, sd))
