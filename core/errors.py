@@ -7,6 +7,7 @@ EXIT_ERROR = 1  # a runtime error reported in one line (e.g. the admin socket is
 EXIT_USAGE = 2  # bad command line or config; nothing was started
 EXIT_FAILURE_LIMIT = 3  # too many failures in the window: let systemd's StartLimit decide
 EXIT_BOOT_ERROR = 4  # the backend cannot even be launched (no vLLM, no model)
+EXIT_START_FAILURE = 5  # two starts in a row died before serving of the same cause: restarting cannot help
 EXIT_INTERRUPTED = 130
 
 

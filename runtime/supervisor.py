@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 import structlog
 
 from vllm_guard.core.config import GuardConfig
-from vllm_guard.core.errors import EXIT_FAILURE_LIMIT, EXIT_OK
+from vllm_guard.core.errors import EXIT_FAILURE_LIMIT, EXIT_OK, EXIT_START_FAILURE
 from vllm_guard.core.ledger import EndClass, FailureKind
 from vllm_guard.core.notify import Notifier
 from vllm_guard.core.protocol import CommandReply, CommandRequest, ProbeSummary, RuntimeState, StatusSnapshot
@@ -86,6 +86,7 @@ class Supervisor:
         self.commands = Commands(self)
         self._wakeup = asyncio.Event()
         self.exit_code = EXIT_OK
+        self.exit_line: str | None = None  # why the runtime ends on its own (exit 3 or 5): one line
         self.stopping = False  # a stop was asked for (signal, failure limit): nothing new starts
         self._stop_pending: bool | None = None  # a shutdown the loop still has to tell the replicas (second?)
         self.vllm_version = ""
@@ -270,9 +271,19 @@ class Supervisor:
     def give_up(self) -> None:
         """Too many failures in the window: stop every replica and exit 3 (systemd's StartLimit
         takes over)."""
+        if self.exit_code == EXIT_START_FAILURE:
+            return  # the more precise end was decided first
         if self.exit_code != EXIT_FAILURE_LIMIT:
             log.error("failure_limit", failures=self.books.in_window() + 1, window_s=self.cfg.server.failure_window)
         self.exit_code = EXIT_FAILURE_LIMIT
+        self._begin_stop(second=False)
+
+    def start_failure(self, line: str) -> None:
+        """Two starts in a row died before serving of the same cause (`line`): restarting cannot
+        help. Stop every replica and exit 5 with that line."""
+        if self.exit_code != EXIT_START_FAILURE:
+            log.error("start_failure_repeated", why=line, action="not restarted: the same cause twice in a row")
+        self.exit_code, self.exit_line = EXIT_START_FAILURE, line
         self._begin_stop(second=False)
 
     def exit_all(self, code: int) -> None:

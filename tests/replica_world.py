@@ -40,6 +40,7 @@ class SimBackend(Backend):
                          log_path=Path("/nonexistent/generation.log"))
         self.world = world
         self.rc: int | None = None
+        self.log = ""  # its generation log, as the world writes it when it exits
         self.dead_at: float | None = None  # when its processes are gone
         self.signals: list[int] = []
         self.started_mono = world.now
@@ -69,8 +70,8 @@ class SimBackend(Backend):
     async def kill_for_good(self, timeout: float = 10.0) -> None:
         self.dead_at = self.world.now
 
-    def exit_detail(self) -> str:
-        return f"exited with {self.rc} while loading: RuntimeError: simulated"
+    def log_text(self) -> str:
+        return self.log
 
     def gone(self) -> None:
         pass
@@ -85,6 +86,7 @@ class Plan:
     park_s: float = 3.0  # a gated one parks this long after spawn
     after_gate_s: float = 2.0  # ... and is ready this long after its gate opened
     exit_at_s: float | None = None  # it exits (code 1) this long after spawn
+    log: str = "RuntimeError: simulated\n"  # ... with this in its log
     gate: str = "parked"  # parked | skipped
 
 
@@ -104,13 +106,14 @@ class World:
         self.cfg = cfg or GuardConfig()
         self.cfg.server.state_dir = str(tmp)
         self.ledger = RuntimeLedger(tmp)
-        self.books = RuntimeBooks(self.ledger, self.cfg.server.failure_window)
+        self.books = RuntimeBooks(self.ledger, self.cfg.server.failure_window, clock=self.clock)
         self.plans: list[Plan] = []  # consumed in spawn order; default Plan() when empty
         self.gens: list[SimGen] = []
         self.number = 0
         self.shutting_down = False
         self.hold: str | None = None
         self.gave_up = 0
+        self.start_failed: list[str] = []  # the lines of `start_failure`
         self.exit_code: int | None = None
         self.learned_gate: str | None = None
         self.starts: dict[int, StartHistory] = {}
@@ -183,6 +186,10 @@ class World:
         self.gave_up += 1
         self.shutting_down = True
 
+    def start_failure(self, line: str) -> None:
+        self.start_failed.append(line)
+        self.shutting_down = True
+
     def exit_all(self, code: int) -> None:
         self.exit_code, self.shutting_down = code, True
 
@@ -232,7 +239,7 @@ class World:
             g, b, age = s.gen, s.gen.backend, self.now - s.spawned
             assert isinstance(b, SimBackend)
             if s.plan.exit_at_s is not None and age >= s.plan.exit_at_s and b.rc is None:
-                b.rc = 1
+                b.rc, b.log = 1, s.plan.log
             if b.dead_at is not None and self.now >= b.dead_at and b.rc is None:
                 b.rc = -9
             if g.stop_mark is not None:

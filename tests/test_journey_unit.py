@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from vllm_guard.core.paths import resolve_state_dir
-from vllm_guard.runtime.child.backend import ROOT_CAUSE_MAX, root_cause
+from vllm_guard.runtime.child.death import ERROR_MAX as ROOT_CAUSE_MAX, root_cause
 from vllm_guard.runtime.cli import cpu_kv_space_gib
 
 MEMORY_LOG = """\

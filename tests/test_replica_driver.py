@@ -291,9 +291,56 @@ def test_max_failures_in_the_window_gives_up(tmp_path: Path) -> None:
     c.server.max_failures = 2
 
     async def scenario(w: World) -> None:
-        w.plans += [Plan(exit_at_s=1.0), Plan(exit_at_s=1.0)]
+        # two different causes: the window decides, not the rule of the same cause twice
+        w.plans += [Plan(exit_at_s=1.0, log="RuntimeError: one\n"), Plan(exit_at_s=1.0, log="OSError: two\n")]
         await w.run_until(lambda: w.drivers[0].state is S.EXITING)
         assert w.gave_up == 1 and [f.kind for f in w.books.failures] == ["start_failed", "start_failed"]
+        assert w.start_failed == []
+
+    run(tmp_path, scenario, c)
+
+
+SIGILL_LOG = """\
+(EngineCore_DP0 pid=7) INFO 12-05 10:00:01 [core.py:1] Initializing a V1 LLM engine (v0.32.0)
+Fatal Python error: Illegal instruction
+
+Current thread 0x00007f52a2665b80 (most recent call first):
+  File "/v/lib/python3.11/site-packages/vllm/_custom_ops.py", line 3927 in cpu_attention_with_kv_cache
+  File "/v/lib/python3.11/site-packages/vllm/v1/attention/backends/cpu_attn.py", line 310 in forward
+(EngineCore_DP0 pid=7) ERROR 12-05 10:00:09 [multiproc_executor.py:1] Worker proc VllmWorker-0 died unexpectedly (exit code: -4)
+"""
+
+
+def test_the_same_start_failure_twice_ends_the_runtime_with_its_line(tmp_path: Path) -> None:
+    """A worker killed by SIGILL in the same frame twice: no third start, however far the
+    failure window's limit is; the one line names the process, the signal, the phase, the frame."""
+    c = cfg()
+    c.server.max_failures = 10
+
+    async def scenario(w: World) -> None:
+        w.plans += [Plan(exit_at_s=1.0, log=SIGILL_LOG), Plan(exit_at_s=1.0, log=SIGILL_LOG)]
+        await w.run_until(lambda: w.drivers[0].state is S.EXITING)
+        assert w.number == 2 and w.gave_up == 0
+        (line,) = w.start_failed
+        assert line == ('generation 2 died before serving: worker killed by SIGILL in phase "starting vLLM": '
+                        'Fatal Python error: Illegal instruction at vllm/_custom_ops.py:3927 cpu_attention_with_kv_cache')
+        assert [f.detail for f in w.books.failures] == [line.replace("generation 2", "generation 1"), line]
+
+    run(tmp_path, scenario, c)
+
+
+def test_a_start_that_served_forgets_the_last_death(tmp_path: Path) -> None:
+    """SIGILL, then a generation that serves, then SIGILL again: not twice in a row."""
+    c = cfg()
+    c.server.max_failures = 10
+
+    async def scenario(w: World) -> None:
+        w.plans += [Plan(exit_at_s=1.0, log=SIGILL_LOG), Plan()]
+        await serving(w)
+        w.plans += [Plan(exit_at_s=1.0, log=SIGILL_LOG)]
+        await w.command(RestartCmd("test"))
+        await w.run_until(lambda: w.number == 4 and w.drivers[0].state is S.SERVING)
+        assert w.start_failed == []
 
     run(tmp_path, scenario, c)
 

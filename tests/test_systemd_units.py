@@ -103,7 +103,7 @@ def test_service_values_follow_the_config(tmp_path: Path, model_dir: Path) -> No
     assert u["WatchdogSec"] == ["90s"] and u["MemoryMax"] == ["48G"] and u["StartLimitBurst"] == ["7"]
     assert u["User"] == ["llm"] and u["Group"] == ["llm"]
     assert u["ExecStart"] == [f"{VG} serve --config /etc/vllm-guard/guard.toml --state-dir /var/lib/vllm-guard"]
-    assert u["ExecReload"] == ["/bin/kill -HUP $MAINPID"] and u["RestartPreventExitStatus"] == ["2 4"]
+    assert u["ExecReload"] == ["/bin/kill -HUP $MAINPID"] and u["RestartPreventExitStatus"] == ["2 4 5"]
     for key, value in (("Type", "notify"), ("NotifyAccess", "main"), ("KillMode", "mixed"),
                        ("OOMPolicy", "continue"), ("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"),
                        ("PrivateTmp", "yes"), ("Restart", "on-failure")):

@@ -26,6 +26,14 @@ VLLM_PHASES: tuple[tuple[str, re.Pattern[str]], ...] = (
 # the order a start goes through (the runtime's milestones among vLLM's)
 ORDER = ("spawned", "parked", "gate_opened", "model_load_started", "weights_loaded", "compiled", "kv_allocated",
          "graphs_captured", "engine_up", "api_up", "health_ok", "ready", "first_request")
+# what a start is doing once it has reached each phase (a start that dies says where it was)
+UNDER_WAY = {
+    "spawned": "starting vLLM", "parked": "parked at its startup gate", "gate_opened": "starting the engine",
+    "model_load_started": "loading weights", "weights_loaded": "compiling and profiling",
+    "compiled": "allocating the KV cache", "kv_allocated": "warming up", "graphs_captured": "warming up",
+    "engine_up": "starting the API server", "api_up": "waiting for /health", "health_ok": "readiness probe",
+    "ready": "going live", "first_request": "serving",
+}
 
 
 @dataclass
@@ -52,6 +60,11 @@ class Anatomy:
     def phases(self) -> list[tuple[str, float]]:
         """(phase, seconds after spawn), in the order a start goes through them."""
         return [(p, round(self.at[p] - self.spawned, 3)) for p in ORDER if p in self.at]
+
+    def under_way(self) -> str:
+        """What the start was doing: the step after the furthest phase it reached."""
+        last = next((p for p in reversed(ORDER) if p in self.at), "spawned")
+        return UNDER_WAY[last]
 
     def after(self, phase: str) -> list[tuple[str, float]]:
         """The phases after `phase` (e.g. the gate), in seconds after it."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import socket
 import sys
@@ -39,6 +38,7 @@ from vllm_guard.core.protocol import ChildProcess
 
 from . import procs
 from .. import statedir
+from .death import root_cause
 from .keeper import Keeper
 
 if TYPE_CHECKING:
@@ -78,61 +78,6 @@ def socket_path(state_dir: Path, generation: int) -> Path:
     return Path(tempfile.mkdtemp(prefix="vllm-guard-")) / f"backend-{generation}.sock"
 
 
-# An exception line of a traceback, as vLLM's processes log it: "(EngineCore pid=7) ValueError: ..."
-_EXC = re.compile(r"^(?:[\w.]*(?:Error|Exception|Exit|Interrupt|Failure)|AssertionError)(?::\s*(?P<msg>.*))?$")
-# vLLM's logger prefix: "(EngineCore_DP0 pid=7) ERROR 11-30 20:01:02 [core.py:700] message"
-_PROC = re.compile(r"^\((?:[\w.-]+ )?pid=\d+\)\s*")
-_LEVEL = re.compile(r"^(?P<level>ERROR|CRITICAL|WARNING|INFO|DEBUG)\s+\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s*")
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-# Wrappers that only point at the real cause above them
-_WRAPPERS = ("See root cause above", "See stack trace for root cause", "Engine core initialization failed",
-             "EngineCore failed to start", "Engine process failed to start", "WorkerProc failed to start",
-             "for the root cause")
-ROOT_CAUSE_MAX = 300
-
-
-_PYDANTIC = re.compile(r"ValidationError: \d+ validation errors? for ")
-_PYDANTIC_TAIL = re.compile(r"\s*\[type=.*$")
-
-
-def _clean(raw: str) -> tuple[str | None, str]:
-    """(level or None, message) of one log line, without colour and vLLM's process prefix."""
-    line = _PROC.sub("", _ANSI.sub("", raw).strip()).strip()
-    m = _LEVEL.match(line)
-    return (m.group("level"), line[m.end():].strip()) if m else (None, line)
-
-
-def root_cause(log_text: str) -> str:
-    """vLLM's root-cause line of a generation that died: the last exception line of a traceback
-    that is not a wrapper pointing above it ("Engine core initialization failed. See root cause
-    above"), else the last such wrapper, else the last ERROR line; "" when the log says nothing.
-    A pydantic ValidationError (vLLM's config checks) says what is wrong on the lines after it:
-    the first of them is added. Pure: tested on literal logs."""
-    lines = [_clean(raw) for raw in log_text.splitlines()]
-    exceptions: list[str] = []
-    errors: list[str] = []
-    for i, (level, line) in enumerate(lines):
-        if not line or level in ("WARNING", "INFO", "DEBUG"):
-            continue
-        if not _EXC.match(line):
-            if level is not None:
-                errors.append(line)
-            continue
-        if _PYDANTIC.search(line):
-            detail = next((d for lv, d in lines[i + 1:i + 4] if d and lv not in ("WARNING", "INFO", "DEBUG")
-                           and not _EXC.match(d)), "")
-            if detail:
-                line = f"{line}: {_PYDANTIC_TAIL.sub('', detail)}"
-        exceptions.append(line)
-
-    def direct(found: list[str]) -> str | None:
-        return next((x for x in reversed(found) if not any(w in x for w in _WRAPPERS)), None)
-
-    out = direct(exceptions) or (exceptions[-1] if exceptions else None) or direct(errors) or \
-        (errors[-1] if errors else "")
-    return out if len(out) <= ROOT_CAUSE_MAX else out[:ROOT_CAUSE_MAX - 3] + "..."
-
-
 def log_tail(path: Path, limit: int = 256 * 1024) -> str:
     """The last `limit` bytes of a log as text ("" when it cannot be read)."""
     try:
@@ -155,6 +100,9 @@ def child_env(cfg: GuardConfig, state_dir: Path, number: int, base: Mapping[str,
     settings (`core.plugin.child_env`), caches in the state dir."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if k not in SYSTEMD_VARS}
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # a process killed by SIGILL/SIGSEGV/SIGBUS/SIGFPE/SIGABRT prints where it was ("Fatal Python
+    # error: Illegal instruction" and its frames) to the generation's log (`child.death` reads it)
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     sd = str(state_dir.resolve())
     env[plugin.STATE_DIR_VAR] = sd
     # torch.compile / Triton caches in the state dir: every generation after the first starts
@@ -322,9 +270,13 @@ class Backend:
             except asyncio.TimeoutError:
                 log.error("api_server_not_reaped", pid=self.pid)
 
+    def log_text(self) -> str:
+        """The tail of the generation's log (blocking: run it in a worker thread)."""
+        return log_tail(self.log_path)
+
     def exit_detail(self) -> str:
         """Why it died while loading: the exit code and vLLM's root-cause line from its log."""
-        cause = root_cause(log_tail(self.log_path))
+        cause = root_cause(self.log_text())
         return f"exited with {self.returncode} while loading" + (f": {cause}" if cause else "")
 
     # -- talking to it -----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import structlog
 
@@ -48,6 +49,7 @@ class RuntimeBooks:
     _unrestored: dict[int, list[FailureRecord]] = field(default_factory=dict)
     _open: dict[int, _Open] = field(default_factory=dict)
     _gpu_names: dict[int, str] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic  # the failure window's clock (the driver's, in tests)
 
     # -- generations -------------------------------------------------------------------------
     def set_version(self, version: str) -> None:
@@ -76,7 +78,7 @@ class RuntimeBooks:
         log.error("generation_failed", generation=gen.number, replica=gen.replica, kind=kind, exit_code=exit_code,
                   detail=detail, cls=cls.value)
         if cls is EndClass.UNPLANNED:
-            self._times.append(time.monotonic())
+            self._times.append(self.clock())
 
     def lost(self, generation: int, replica: int, ledger_id: int, at: str) -> None:
         """A generation a killed runtime left running: an unplanned failure, restored when this
@@ -94,7 +96,7 @@ class RuntimeBooks:
 
     def in_window(self, now: float | None = None) -> int:
         """Unplanned failures within `failure_window`."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         while self._times and now - self._times[0] > self.failure_window:
             self._times.popleft()
         return len(self._times)

@@ -18,7 +18,12 @@ Rules kept here, and only here:
 - any unexpected end of the serving generation (exit 0 included) is a failure: it is killed, and
   a successor already starting takes over; else the replica backs off;
 - a cold or gated stop of the only serving replica is announced (`unready_lead`) so a balancer
-  moves traffic before the gap.
+  moves traffic before the gap;
+- a generation that exits on its own before it ever served is a failure whose detail is the line
+  its log gives (`child.death`); when the replica's previous failure was such a death of the
+  same cause (`same_cause`, `Machine.last_death`), restarting cannot help: the runtime stops
+  with that line (`StartCauseRepeated`) instead of backing off. A generation that serves, and
+  any other failure, clears it.
 """
 
 from __future__ import annotations
@@ -29,14 +34,15 @@ from vllm_guard.core.errors import EXIT_BOOT_ERROR
 from vllm_guard.core.ledger import EndClass, FailureKind
 from vllm_guard.core.protocol import RuntimeState
 
+from ..child.death import same_cause
 from . import triggers
 from .machine import COARSE, Machine, Recycle, State, Wanted
 from .strategy import AUTO, MemoryFit, Strategy, choose, gated_fits
 from .view import (
     Abandon, Decision, Drain, Effect, Event, Extend, ExitAll, Failure, Finish, GenPhase, GenView, GiveUp, GoLive,
     HoldCmd, LearnGate, LearnStandby, LearnStart, Leaving, OpenGate, PastLimit, Promote, RecycleBegan, RecycleCmd, RecycleMark,
-    RecycleNote, RecycleReady, ReleaseCmd, ReplicaView, Reply, RestartCmd, Slot, Spawn, SpawnFailed, Stop, StopCmd,
-    Tick, log,
+    RecycleNote, RecycleReady, ReleaseCmd, ReplicaView, Reply, RestartCmd, Slot, Spawn, SpawnFailed, StartCauseRepeated,
+    Stop, StopCmd, Tick, log,
 )
 
 S = State
@@ -142,10 +148,9 @@ def _booting(v: ReplicaView, now: float, out: _Out) -> None:
         if rec is not None:
             out.add(RecycleReady(cur.number, round(now - rec.started_at, 3),
                                  round(now - rec.closed_at, 3) if rec.closed_at is not None else 0.0))
-        out.to(S.SERVING, now, recycle=None, consecutive=0)
+        out.to(S.SERVING, now, recycle=None, consecutive=0, last_death=None)
     elif cur.exit_code is not None:
-        _fail(v, now, out, FailureKind.START_FAILED.value, cur.exit_code, f"exited with {cur.exit_code} while loading",
-              from_log=True)
+        _failed(v, now, out, *_start_failure(out, cur, f"exited with {cur.exit_code} while loading"))
     elif v.machine.overdue(now):
         _fail(v, now, out, FailureKind.START_TIMEOUT.value, None,
               f"not ready after {cfg.server.startup_timeout:.0f}s")
@@ -291,12 +296,12 @@ def _overlap_starting(v: ReplicaView, now: float, out: _Out) -> None:
     if nxt.ready_at is not None:
         _switch(v, now, out)
     elif nxt.exit_code is not None:
-        _successor_failed(v, now, out, FailureKind.START_FAILED.value, nxt.exit_code,
-                          f"exited with {nxt.exit_code} while starting beside generation {_n(v.current)}", True)
+        _successor_failed(v, now, out, *_start_failure(
+            out, nxt, f"exited with {nxt.exit_code} while starting beside generation {_n(v.current)}"))
     elif now - _since(v, nxt) > cfg.server.startup_timeout:
-        _successor_failed(v, now, out, FailureKind.START_TIMEOUT.value, None,
-                          f"not ready after {cfg.server.startup_timeout:.0f}s while starting beside generation "
-                          f"{_n(v.current)}", False)
+        _successor_failed(v, now, out, Failure(
+            nxt.number, FailureKind.START_TIMEOUT.value, None,
+            f"not ready after {cfg.server.startup_timeout:.0f}s while starting beside generation {_n(v.current)}"))
     elif (why := _late(v, now)) is not None:
         _handover(v, now, out, why)
 
@@ -315,12 +320,13 @@ def _gated_parking(v: ReplicaView, now: float, out: _Out) -> None:
                     reason=nxt.gate_reason))
         _fallback_cold(v, now, out, f"gated pre-start unavailable: {nxt.gate_reason}")
     elif nxt.exit_code is not None:
-        _successor_failed(v, now, out, FailureKind.START_FAILED.value, nxt.exit_code,
-                          f"exited with {nxt.exit_code} before reaching its startup gate"
-                          + (f" ({nxt.gate}: {nxt.gate_reason})" if nxt.gate else ""), True)
+        _successor_failed(v, now, out, *_start_failure(
+            out, nxt, f"exited with {nxt.exit_code} before reaching its startup gate"
+            + (f" ({nxt.gate}: {nxt.gate_reason})" if nxt.gate else "")))
     elif now - _since(v, nxt) > cfg.server.gate_timeout:
-        _successor_failed(v, now, out, FailureKind.START_FAILED.value, None,
-                          f"did not reach its startup gate within {cfg.server.gate_timeout:.0f}s", False)
+        _successor_failed(v, now, out, Failure(
+            nxt.number, FailureKind.START_FAILED.value, None,
+            f"did not reach its startup gate within {cfg.server.gate_timeout:.0f}s"))
     elif (why := _late(v, now)) is not None:
         _handover(v, now, out, why)
 
@@ -397,13 +403,13 @@ def _opening_gate(v: ReplicaView, now: float, out: _Out) -> None:
             _start_cold(v, now, out, Strategy.COLD.value)
         return
     if nxt.exit_code is not None:
-        out.add(Failure(nxt.number, FailureKind.START_FAILED.value, nxt.exit_code,
-                        f"exited with {nxt.exit_code} while parked at its startup gate"
-                        + (f" ({nxt.gate}: {nxt.gate_reason})" if nxt.gate not in (None, "parked") else ""),
-                        from_log=True),
-                Abandon(f"generation {nxt.number} exited at its gate"))
+        failure, repeated = _start_failure(out, nxt, f"exited with {nxt.exit_code} while parked at its startup gate"
+                                           + (f" ({nxt.gate}: {nxt.gate_reason})"
+                                              if nxt.gate not in (None, "parked") else ""))
+        _add_failure(out, failure)
+        out.add(Abandon(f"generation {nxt.number} exited at its gate"))
         _note_fallback(v, out, f"generation {nxt.number} exited at its startup gate")
-        _check_limit(v, out)
+        _check_limit(v, out, repeated=repeated)
         _start_cold(v, now, out, Strategy.COLD.value)
     elif nxt.gate == "skipped":
         out.add(LearnGate(nxt.gate_reason), Abandon(f"gated pre-start unavailable: {nxt.gate_reason}"))
@@ -423,9 +429,9 @@ def _opening_gate(v: ReplicaView, now: float, out: _Out) -> None:
                                           after_stop_s=round(waited, 2)), Promote())
         out.to(S.PAST_GATE, now, f.cfg.server.startup_timeout)
     elif now - nxt.spawned_at > f.cfg.server.gate_timeout:
-        out.add(Failure(nxt.number, FailureKind.START_FAILED.value, None,
-                        f"did not reach its startup gate within {f.cfg.server.gate_timeout:.0f}s"),
-                Abandon(f"generation {nxt.number} never reached its gate"))
+        _add_failure(out, Failure(nxt.number, FailureKind.START_FAILED.value, None,
+                                  f"did not reach its startup gate within {f.cfg.server.gate_timeout:.0f}s"))
+        out.add(Abandon(f"generation {nxt.number} never reached its gate"))
         _note_fallback(v, out, f"generation {nxt.number} never reached its startup gate")
         _check_limit(v, out)
         _start_cold(v, now, out, Strategy.COLD.value)
@@ -482,9 +488,9 @@ def _retiring(v: ReplicaView, now: float, out: _Out) -> None:
     for g in v.retiring:
         if g.phase is GenPhase.DRAINING:
             if g.died:
-                out.add(Failure(g.number, FailureKind.CRASH.value, g.exit_code,
-                                f"backend died while draining (replaced by generation {_n(v.current)})"),
-                        Stop(g.number, kill=True, deadline=now + KILL_WAIT_S))
+                _add_failure(out, Failure(g.number, FailureKind.CRASH.value, g.exit_code,
+                                          f"backend died while draining (replaced by generation {_n(v.current)})"))
+                out.add(Stop(g.number, kill=True, deadline=now + KILL_WAIT_S))
                 _check_limit(v, out)
             elif g.in_flight == 0 or now > (g.deadline or now):
                 if g.in_flight:
@@ -610,7 +616,7 @@ def _switch(v: ReplicaView, now: float, out: _Out) -> None:
                              round(now - rec.closed_at, 3) if rec.closed_at is not None else 0.0))
     out.add(log("generation_switched", replica=v.facts.index, old=old.number, new=nxt.number,
                 old_in_flight=old.in_flight))
-    out.to(S.SERVING, now, recycle=None, consecutive=0)
+    out.to(S.SERVING, now, recycle=None, consecutive=0, last_death=None)
 
 
 def _handover(v: ReplicaView, now: float, out: _Out, why: str) -> None:
@@ -631,12 +637,12 @@ def _successor_lost(v: ReplicaView, now: float, out: _Out) -> bool:
     nxt = v.successor
     assert nxt is not None
     if nxt.exit_code is not None:
-        detail = (f"exited with {nxt.exit_code} while " + ("parked at its startup gate" if nxt.gate == "parked"
-                                                            else "starting"))
-        out.add(Failure(nxt.number, FailureKind.START_FAILED.value, nxt.exit_code, detail, from_log=True),
-                Abandon(detail))
-        _note_fallback(v, out, f"generation {nxt.number} {detail}")
-        _check_limit(v, out)
+        failure, repeated = _start_failure(out, nxt, f"exited with {nxt.exit_code} while " + (
+            "parked at its startup gate" if nxt.gate == "parked" else "starting"))
+        _add_failure(out, failure)
+        out.add(Abandon(failure.detail))
+        _note_fallback(v, out, _about(failure))
+        _check_limit(v, out, repeated=repeated)
         return True
     if nxt.gate == "skipped":
         out.add(LearnGate(nxt.gate_reason), Abandon(f"gated pre-start unavailable: {nxt.gate_reason}"))
@@ -645,13 +651,11 @@ def _successor_lost(v: ReplicaView, now: float, out: _Out) -> bool:
     return False
 
 
-def _successor_failed(v: ReplicaView, now: float, out: _Out, kind: str, exit_code: int | None, detail: str,
-                      from_log: bool) -> None:
-    nxt = v.successor
-    assert nxt is not None
-    out.add(Failure(nxt.number, kind, exit_code, detail, from_log=from_log))
-    _check_limit(v, out)
-    _fallback_cold(v, now, out, f"generation {nxt.number} {detail}")
+def _successor_failed(v: ReplicaView, now: float, out: _Out, failure: Failure,
+                      repeated: StartCauseRepeated | None = None) -> None:
+    _add_failure(out, failure)
+    _check_limit(v, out, repeated=repeated)
+    _fallback_cold(v, now, out, _about(failure))
 
 
 def _fallback_cold(v: ReplicaView, now: float, out: _Out, why: str) -> None:
@@ -679,26 +683,60 @@ def _start_cold(v: ReplicaView, now: float, out: _Out, strategy: str | None) -> 
 # -- failures ----------------------------------------------------------------------------------
 def _fail(v: ReplicaView, now: float, out: _Out, kind: str, exit_code: int | None, detail: str,
           cls: EndClass = EndClass.UNPLANNED, from_log: bool = False) -> None:
+    cur = v.current
+    assert cur is not None
+    _failed(v, now, out, Failure(cur.number, kind, exit_code, detail, cls, from_log))
+
+
+def _failed(v: ReplicaView, now: float, out: _Out, failure: Failure,
+            repeated: StartCauseRepeated | None = None) -> None:
     """Any unexpected end (exit 0 included) of `current` is a failure: record it, kill it. A
     successor already starting stays: it takes over once this one is gone."""
     cur = v.current
     assert cur is not None
-    rec = out.m.recycle
-    out.add(Failure(cur.number, kind, exit_code, detail, cls, from_log))
+    rec, kind, cls = out.m.recycle, failure.kind, failure.cls
+    _add_failure(out, failure)
     if rec is not None:
         out.add(RecycleNote(rec.strategy, f"ended by a failure of generation {cur.number} ({kind})"))
     out.add(Stop(cur.number, kill=True, deadline=now + KILL_WAIT_S, reason=kind, cls=cls))
     if v.machine.state is S.UNREADY:
         out.add(Leaving(False))
-    _check_limit(v, out, cls)
+    _check_limit(v, out, cls, repeated)
     out.to(S.FAILING, now, _stop_span(v, kill=True), recycle=None, wanted=None, end_reason=(kind, cls),
            consecutive=v.machine.consecutive + 1)
 
 
-def _check_limit(v: ReplicaView, out: _Out, cls: EndClass = EndClass.UNPLANNED) -> None:
-    """One more unplanned failure: at `max_failures` within the window the runtime gives up."""
-    if cls is EndClass.UNPLANNED and v.facts.failures_in_window + 1 >= v.facts.cfg.server.max_failures:
+def _check_limit(v: ReplicaView, out: _Out, cls: EndClass = EndClass.UNPLANNED,
+                 repeated: StartCauseRepeated | None = None) -> None:
+    """One more unplanned failure: at `max_failures` within the window the runtime gives up; a
+    start that died of the same cause as the last one ends the runtime at once instead."""
+    if repeated is not None:
+        out.add(repeated)
+    elif cls is EndClass.UNPLANNED and v.facts.failures_in_window + 1 >= v.facts.cfg.server.max_failures:
         out.add(GiveUp())
+
+
+def _add_failure(out: _Out, failure: Failure) -> None:
+    """Record a failure; the replica remembers its death if it was a start that died on its own
+    (`last_death`), and forgets the last one otherwise."""
+    out.add(failure)
+    out.set(last_death=failure.death)
+
+
+def _start_failure(out: _Out, g: GenView, detail: str) -> tuple[Failure, StartCauseRepeated | None]:
+    """The failure of `g`, which exited on its own before it ever served: its detail is the line
+    its log gives (`child.death`; else `detail` and vLLM's root-cause line), and, when the
+    replica's last failure was a death of the same cause, the runtime's end instead of a restart."""
+    d = g.death
+    if d is None:  # nothing read (the driver reads every such death first)
+        return Failure(g.number, FailureKind.START_FAILED.value, g.exit_code, detail, from_log=True), None
+    repeated = StartCauseRepeated(g.number, d) if same_cause(out.m.last_death, d) else None
+    return Failure(g.number, FailureKind.START_FAILED.value, g.exit_code, d.line(g.number), death=d), repeated
+
+
+def _about(f: Failure) -> str:
+    """A failure in a few words for a recycle's note: `generation N ...`."""
+    return f.detail if f.death is not None else f"generation {f.generation} {f.detail}"
 
 
 # -- commands ----------------------------------------------------------------------------------

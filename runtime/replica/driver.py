@@ -27,7 +27,7 @@ from .ports import Books, Door, Hub, Spawner, Watchers
 from .view import (
     Abandon, Decision, Drain, Effect, Event, Extend, ExitAll, Facts, Failure, Finish, GiveUp, GoLive, LearnGate,
     LearnStandby, LearnStart, Leaving, Log, OpenGate, PastLimit, Promote, RecycleBegan, RecycleMark, RecycleNote, RecycleReady,
-    ReplicaView, Reply, Slot, Spawn, SpawnFailed, Stop, Tick,
+    ReplicaView, Reply, Slot, Spawn, SpawnFailed, StartCauseRepeated, Stop, Tick,
 )
 
 log = structlog.get_logger("vllm_guard.supervisor")
@@ -84,6 +84,7 @@ class ReplicaDriver:
         event (at most a few in a row). Returns the first decision (its reply, if a command)."""
         first: Decision | None = None
         for _ in range(MAX_FOLLOW_UPS):
+            await self._read_deaths()
             d = decide(self.view(facts()), event, self.clock())
             first = first or d
             before = self.machine
@@ -96,6 +97,14 @@ class ReplicaDriver:
             event = follow
         assert first is not None
         return first
+
+    async def _read_deaths(self) -> None:
+        """A generation that exited on its own before it ever served: why, from its log (read in
+        a worker thread: it blocks), before `decide` sees the exit, so its view carries the cause."""
+        for gen in (self.current, self.successor):
+            if gen is not None and gen.died_unread():
+                text = await asyncio.to_thread(gen.backend.log_text)
+                gen.note_death(text, self.clock())
 
     async def tick(self, facts: Callable[[], Facts]) -> None:
         await self.handle(Tick(), facts)
@@ -305,6 +314,10 @@ class ReplicaDriver:
         self.hub.give_up()
         return None
 
+    async def _start_cause_repeated(self, e: StartCauseRepeated) -> Event | None:
+        self.hub.start_failure(e.death.line(e.generation))
+        return None
+
     async def _exit_all(self, e: ExitAll) -> Event | None:
         self.hub.exit_all(e.code)
         return None
@@ -328,7 +341,8 @@ class ReplicaDriver:
         Spawn: _spawn, GoLive: _go_live, Promote: _promote, Abandon: _abandon, Drain: _drain, Stop: _stop,
         Finish: _finish, OpenGate: _open_gate, PastLimit: _past_limit, Leaving: _leaving, Failure: _failure,
         RecycleBegan: _recycle_began, RecycleNote: _recycle_note, RecycleMark: _recycle_mark,
-        RecycleReady: _recycle_ready, Log: _log, Extend: _extend, GiveUp: _give_up, ExitAll: _exit_all,
+        RecycleReady: _recycle_ready, Log: _log, Extend: _extend, GiveUp: _give_up,
+        StartCauseRepeated: _start_cause_repeated, ExitAll: _exit_all,
         LearnGate: _learn_gate, LearnStandby: _learn_standby, LearnStart: _learn_start, Reply: _reply,
     }
 

@@ -17,6 +17,7 @@ from typing import Any
 from vllm_guard.core.ledger import EndClass
 from vllm_guard.core.protocol import ChildProcess, GateReport, MemoryStatus, PatchProcessReport, Role
 
+from ..child import death as deaths
 from ..child.anatomy import Anatomy
 from ..child.backend import Backend
 from ..frontdoor.target import Target
@@ -51,6 +52,7 @@ class Generation:
     to_limit_s: float | None = None
     fit: MemoryFit | None = None
     held_mb: tuple[float, float | None] | None = None  # a standby's host RSS and GPU memory (MiB)
+    death: deaths.Death | None = None  # why it exited on its own before it ever served (its log)
     # its way out, as decided
     phase: GenPhase = GenPhase.BOOTING
     deadline: float | None = None
@@ -83,7 +85,7 @@ class Generation:
             in_flight=t.in_flight, requests=t.toward_limit, served=t.dispatched, inherited=t.inherited,
             limit=t.limit, idle_for=idle, growth=self.growth, to_limit_s=self.to_limit_s, fit=self.fit,
             deadline=self.deadline, kill_sent=self.kill_sent, stop_mark=self.stop_mark, gone=self.gone,
-            gpu_free=self.gpu_free, alive=self.alive, end_reason=self.end_reason)
+            gpu_free=self.gpu_free, alive=self.alive, end_reason=self.end_reason, death=self.death)
 
     # -- the monitors' notes -------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -102,6 +104,17 @@ class Generation:
         if first is not None:
             self.anatomy.mark("first_request", first)
         return self.anatomy.phases()
+
+    def died_unread(self) -> bool:
+        """Its API server exited on its own (no stop was sent) before it ever served, and why
+        has not been read from its log yet."""
+        return self.death is None and self.phase is GenPhase.BOOTING and self.backend.returncode is not None
+
+    def note_death(self, log_text: str, at: float) -> None:
+        """Why it died, from its log: the phases the tail had not read yet, then the cause."""
+        assert self.anatomy is not None
+        self.anatomy.feed(log_text, at)
+        self.death = deaths.read(log_text, self.backend.returncode, self.anatomy.under_way())
 
     def note_ready(self, at: float) -> None:
         self.ready_mono = at

@@ -31,6 +31,8 @@ from typing import Iterable, Sequence
 from vllm_guard.core.ledger import EndClass
 from vllm_guard.core.protocol import RuntimeState
 
+from ..child.death import Death
+
 
 class State(str, enum.Enum):
     STARTING = "starting"  # `current` boots cold (the first, after a backoff, a release, a cold recycle)
@@ -125,6 +127,7 @@ class Machine:
     recycle: Recycle | None = None
     wanted: Wanted | None = None
     consecutive: int = 0  # failures since the last generation served (the backoff's exponent)
+    last_death: Death | None = None  # how its last own start died before serving (None: it served since)
     end_reason: tuple[str, EndClass] = ("", EndClass.SCHEDULED)  # recorded when `current` ends
     deferred: str | None = None  # why the wanted recycle waits (logged when it changes)
     seq: int = 0  # transitions so far (a re-entry of the same state counts)

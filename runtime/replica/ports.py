@@ -78,6 +78,10 @@ class Hub(Protocol):
 
     def give_up(self) -> None: ...
 
+    def start_failure(self, line: str) -> None:
+        """Two starts in a row died before serving of the same cause (`line`): stop every
+        replica and exit EXIT_START_FAILURE."""
+
     def exit_all(self, code: int) -> None: ...
 
     def reap_later(self, pids: list[int]) -> None: ...

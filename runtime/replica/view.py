@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.ledger import EndClass
 
+from ..child.death import Death
 from .machine import Machine, Recycle
 from .strategy import MemoryFit, StartHistory
 from .triggers import Growth
@@ -66,6 +67,7 @@ class GenView:
     gpu_free: bool = True  # NVML shows none of its memory (True without NVML)
     alive: tuple[int, ...] = ()  # its pids still alive (while stopping)
     end_reason: tuple[str, EndClass] = ("", EndClass.SCHEDULED)  # recorded when it ends
+    death: Death | None = None  # it exited on its own before it ever served: why (read from its log)
 
     @property
     def died(self) -> bool:
@@ -224,6 +226,7 @@ class Failure:
     detail: str
     cls: EndClass = EndClass.UNPLANNED
     from_log: bool = False  # add vLLM's root-cause line from the generation's log
+    death: Death | None = None  # it died before it ever served: the typed cause (`detail` is its line)
 
 
 @dataclass(frozen=True)
@@ -271,6 +274,16 @@ class GiveUp:
 
 
 @dataclass(frozen=True)
+class StartCauseRepeated:
+    """Two starts in a row died before serving of the same cause (`child.death.same_cause`):
+    restarting cannot help, so the runtime stops every replica and exits 5 (EXIT_START_FAILURE)
+    with the line (`Death.line`)."""
+
+    generation: int
+    death: Death
+
+
+@dataclass(frozen=True)
 class ExitAll:
     code: int
 
@@ -300,8 +313,8 @@ class Reply:
 
 
 Effect = (Spawn | GoLive | Promote | Abandon | Drain | Stop | Finish | OpenGate | PastLimit | Leaving | Failure
-          | RecycleBegan | RecycleNote | RecycleMark | RecycleReady | Log | Extend | GiveUp | ExitAll | LearnGate
-          | LearnStandby | LearnStart | Reply)
+          | RecycleBegan | RecycleNote | RecycleMark | RecycleReady | Log | Extend | GiveUp | StartCauseRepeated
+          | ExitAll | LearnGate | LearnStandby | LearnStart | Reply)
 
 
 @dataclass(frozen=True)

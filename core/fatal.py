@@ -1,0 +1,89 @@
+"""Reading Python's faulthandler dumps: which fatal signal, and the frame it hit.
+
+A vLLM process (or the runtime's attention probe) killed by SIGILL, SIGSEGV, SIGBUS, SIGFPE or
+SIGABRT with PYTHONFAULTHANDLER=1 writes "Fatal Python error: Illegal instruction", then each
+thread's frames, innermost first, the crashed one headed "Current thread ...". The frame that
+names the cause is the innermost of the crashed thread that is not torch's op dispatch
+(`torch/_ops.py` `__call__` calls every custom op). Pure: lines in, a `Dump` out; used by
+`runtime.child.death` (a generation's log) and `core.attn_isa` (the probe's stderr).
+"""
+
+from __future__ import annotations
+
+import re
+import signal as _signal
+from dataclasses import dataclass
+from typing import Sequence
+
+# faulthandler's words for the fatal signals
+SIGNALS = {"Illegal instruction": "SIGILL", "Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS",
+           "Floating-point exception": "SIGFPE", "Floating point exception": "SIGFPE", "Aborted": "SIGABRT"}
+DISPATCH = ("torch/_ops.py",)  # frames that only pass a call on: the caller names the op
+LOOK_AHEAD = 400  # lines of a dump read after its first
+
+_FATAL = re.compile(r"^Fatal Python error: (?P<what>.+)$")
+_CURRENT = re.compile(r"^(?:Current thread 0x[0-9a-fA-F]+.*?|Stack) \(most recent call first\):")
+_THREAD = re.compile(r"^Thread 0x[0-9a-fA-F]+.*? \(most recent call first\):")
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+@dataclass(frozen=True)
+class Dump:
+    error: str  # "Fatal Python error: Illegal instruction"
+    frame: str  # "vllm/_custom_ops.py:3927 cpu_attention_with_kv_cache"; "" when none was printed
+    signal: str | None  # SIGILL, ... (None: a fatal error that is not a signal)
+
+
+def signal_name(code: int | None) -> str | None:
+    """The signal a negative exit code (Python's `returncode`, multiprocessing's `exitcode`) names."""
+    if code is None or code >= 0:
+        return None
+    try:
+        return _signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def short_path(path: str) -> str:
+    """A frame's file as a reader knows it: from the package dir (vllm/_custom_ops.py)."""
+    for mark in ("site-packages/", "dist-packages/"):
+        if mark in path:
+            return path.rsplit(mark, 1)[1]
+    i = path.rfind("/vllm/")
+    return path[i + 1:] if i >= 0 else path
+
+
+def first_dump(lines: Sequence[str]) -> Dump | None:
+    """The first dump in `lines` (prefixes such as vLLM's "(Worker pid=9) " already removed),
+    else None. Its frame is the innermost non-dispatch frame of the thread that crashed; of the
+    first thread listed only when the dump names no current thread."""
+    for i, text in enumerate(lines):
+        m = _FATAL.match(text.strip())
+        if m is None:
+            continue
+        first, frame, where = "", "", ""  # where: "" before any header, "current", "other"
+        for nxt in lines[i + 1:i + LOOK_AHEAD]:
+            t = nxt.strip()
+            if _FATAL.match(t):
+                break  # the next dump
+            if _CURRENT.match(t):
+                where = "current"
+                continue
+            if _THREAD.match(t):
+                where = "other"
+                continue
+            f = _FRAME.match(nxt)
+            if f is not None:
+                path = short_path(f.group("path"))
+                if path in DISPATCH:
+                    continue
+                found = f"{path}:{f.group('line')} {f.group('func')}"
+                if where == "current":
+                    frame = found
+                    break
+                first = first or found
+            elif where == "current" and (not t or t.startswith("Extension modules")):
+                break  # the crashed thread has no Python frame of its own
+        what = m.group("what").strip()
+        return Dump(f"Fatal Python error: {what}", frame if where == "current" else first, SIGNALS.get(what))
+    return None
