@@ -316,7 +316,7 @@ class LedgerConfig:
 
 
 PATCH_IDS = ("kv-block-audit", "idle-release", "allocator-settings", "fault-injection", "add-request-abort",
-             "block-ids-drain", "startup-gate", "prestaged-weights", "triton-ptxas")
+             "block-ids-drain", "startup-gate", "prestaged-weights", "triton-ptxas", "attn-isa")
 
 
 @dataclass(frozen=True)
@@ -330,6 +330,9 @@ class InjectConfig:
     gpu_memory_budget_gib: float = _f(0.0, min=0)
     hang_after_requests: int = _f(0, min=0)
     crash_after_requests: int = _f(0, min=0)
+    # vLLM believes the CPU has AMX tiles: on a CPU without them its AMX attention kernel dies of
+    # SIGILL, as on the CPUs the attn-isa patch is for (the probe and every vLLM process pretend)
+    pretend_amx: bool = False
 
     @property
     def active(self) -> dict[str, float | int]:

@@ -306,6 +306,43 @@ class PrestageReport(_Model):
     error: str = ""  # why nothing is staged (the engine parks and loads from disk as before)
 
 
+class AttnProbeRun(_Model):
+    """One run of vLLM's CPU attention kernel on tiny tensors in a throwaway process."""
+
+    isa: str  # the ISA it ran (or would have run) the kernel with
+    init_amx: bool = False  # AMX tile permission was asked of the kernel first (torch's `_init_amx`)
+    outcome: Literal["returned", "signal", "exit", "timeout", "refused"]  # refused: no tile permission
+    signal: str | None = None  # SIGILL, SIGSEGV, ... when a signal killed it
+    exit_code: int | None = None
+    detail: str = ""  # the top frame or the last line it printed
+    seconds: float = 0.0
+
+
+class AttnIsaVerdict(_Model):
+    """Which attention ISA every vLLM-CPU process of a generation uses (`core.attn_isa`): the
+    probe's verdict, cached in the state dir per vLLM version and CPU, carried to each process in
+    VLLM_GUARD_ATTN_ISA, acted on by the `attn-isa` patch."""
+
+    schema_: Literal["vllm-guard-attn-isa/1"] = Field("vllm-guard-attn-isa/1", alias="schema")
+    key: str  # vLLM version, the CPU's flags and whether AMX is pretended: what the verdict holds for
+    vllm_version: str
+    picked: str | None = None  # what vLLM picks for bfloat16; None: not asked (no amx_tile, no probe)
+    # keep: vLLM's choice runs; request-amx: it runs once tile permission is asked (every process
+    # asks); avoid-amx: the next ISA vLLM supports (vec/vec16) wherever vLLM picks amx
+    action: Literal["keep", "request-amx", "avoid-amx"]
+    reason: str
+    runs: tuple[AttnProbeRun, ...] = ()
+    at: str = ""
+
+
+class AttnIsaCache(_Model):
+    """`attn-isa.json` in the state dir: the verdicts found so far, by `AttnIsaVerdict.key` (a
+    vLLM upgrade or a pretended AMX is another key; each keeps its own)."""
+
+    schema_: Literal["vllm-guard-attn-isa-cache/1"] = Field("vllm-guard-attn-isa-cache/1", alias="schema")
+    verdicts: dict[str, AttnIsaVerdict] = Field(default_factory=dict)
+
+
 class GateReport(_Model):
     """What a gated generation's EngineCore says at its startup gate (`core.plugin.read_gate`)."""
 

@@ -163,8 +163,24 @@ TRITON_PTXAS = PatchDef(
     min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("engine_core", "worker"),
 )
 
+# vLLM-CPU's choice of attention kernel: `_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)`,
+# a module function the metadata builder looks up at call time (read in 0.32.0).
+T_ATTN_ISA = Anchor("vllm.v1.attention.backends.cpu_attn", "", "_get_attn_isa", ("dtype", "block_size"))
+
+ATTN_ISA = PatchDef(
+    id="attn-isa",
+    fixes="vLLM-CPU's worker dies of SIGILL on its first request where the CPU reports amx_tile but AMX tiles "
+          "cannot be used (vLLM picks its AMX attention kernel for bfloat16 from the CPU flags alone; the first "
+          "tile instruction, ldtilecfg, faults)",
+    summary="the runtime runs vLLM's attention kernel once in a throwaway process (cached per vLLM version and "
+            "CPU); where AMX dies, every process uses the next ISA vLLM supports (vec/vec16), or asks for tile "
+            "permission where that makes it run; where AMX works it stays",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("engine_core", "worker"),
+    targets=(T_ATTN_ISA,),
+)
+
 ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION, ADD_REQUEST_ABORT, BLOCK_IDS_DRAIN, STARTUP_GATE,
-       PRESTAGED_WEIGHTS, TRITON_PTXAS)
+       PRESTAGED_WEIGHTS, TRITON_PTXAS, ATTN_ISA)
 
 # Targets a role actually touches (a worker never sees the scheduler, and so on).
 ROLE_TARGETS: dict[tuple[str, str], tuple[Anchor, ...]] = {

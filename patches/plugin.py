@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from vllm_guard.core import attn_isa
 from vllm_guard.core import plugin as contract
 from vllm_guard.core.config import ConfigError, InjectConfig, PatchesConfig
 from vllm_guard.core.errors import ProtocolError
@@ -50,6 +51,7 @@ def vllm_version(load: bool = True) -> str:
         return "unknown"
 
 
+ATTN_ISA_NOT_HANDED = "no attention ISA verdict from the runtime (a CUDA build, or vLLM started without it)"
 PRESTAGE_NOT_ASKED = "not asked (no VLLM_GUARD_PRESTAGE in a gated generation)"
 
 
@@ -79,6 +81,7 @@ class Plugin:
             "allocator-settings": self._allocator, "fault-injection": self._inject,
             "add-request-abort": self._add_request_abort, "block-ids-drain": self._block_ids_drain,
             "startup-gate": self._gate, "prestaged-weights": self._prestage, "triton-ptxas": self._ptxas,
+            "attn-isa": self._attn_isa,
         }
         for defn in defs.ALL:
             self.states[defn.id] = self._apply_one(defn, appliers[defn.id])
@@ -92,6 +95,9 @@ class Plugin:
         if defn.id == "prestaged-weights" and not _prestage_asked():
             # before the live check: it would import vLLM's model loader into every EngineCore
             return {"state": "skipped", "reason": PRESTAGE_NOT_ASKED}
+        if defn.id == "attn-isa" and attn_isa.from_env(os.environ) is None:
+            # before the live check: it would import vLLM's CPU attention into a GPU EngineCore
+            return {"state": "skipped", "reason": ATTN_ISA_NOT_HANDED}
         scoped = dataclasses.replace(defn, targets=defs.targets_for(defn, self.role))
         why = registry.evaluate(scoped, self.version, registry.live_check)
         if why is not None:
@@ -176,13 +182,19 @@ class Plugin:
         if not spec.active:
             raise _Skip("no faults requested")
         done = []
-        if self.role == "engine_core":
+        if spec.pretend_amx:
+            from .attn_isa import pretend_amx
+
+            pretend_amx()
+            done.append("vLLM believes the CPU has AMX tiles")
+        engine_faults = [k for k in spec.active if k not in ("gpu_memory_budget_gib", "pretend_amx")]
+        if self.role == "engine_core" and engine_faults:
             from .inject import Injector
 
             inj = Injector(spec, self.channel)
             inj.install()
             self.parts["fault-injection"] = inj
-            done.append("engine faults " + ",".join(k for k in spec.active if k != "gpu_memory_budget_gib"))
+            done.append("engine faults " + ",".join(engine_faults))
         if spec.gpu_memory_budget_gib:
             from .inject import install_gpu_budget
 
@@ -191,6 +203,17 @@ class Plugin:
         if not done:
             raise _Skip("no fault for this process")
         return "INJECTING: " + "; ".join(done)
+
+    def _attn_isa(self) -> str:
+        from . import attn_isa as patch
+
+        verdict = attn_isa.from_env(os.environ)
+        if verdict is None:
+            raise _Skip(ATTN_ISA_NOT_HANDED)
+        try:
+            return patch.apply(verdict)
+        except patch.NotNeeded as e:
+            raise _Skip(str(e)) from e
 
     def _ptxas(self) -> str:
         from . import ptxas

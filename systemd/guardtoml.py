@@ -192,10 +192,11 @@ HELP: dict[str, dict[str, str]] = {
         "gpu_memory_budget_gib": "emulate a GPU of this size (reserve the rest)",
         "hang_after_requests": "hang the engine after N requests",
         "crash_after_requests": "crash the engine after N requests",
+        "pretend_amx": "vLLM believes the CPU has AMX tiles (on a CPU without them its AMX attention dies of SIGILL)",
     },
     "patches": {
         "enabled": "false: load no fix at all",
-        "disable": "fixes to leave out: kv-block-audit, idle-release, allocator-settings, fault-injection",
+        "disable": "fixes to leave out (`vllm-guard patches list` shows them all), e.g. attn-isa, idle-release",
         "idle_release_after": "idle time after which memory is released once (gc, malloc_trim, CUDA cache)",
         "malloc_trim": "return freed host memory to the system when idle",
         "expandable_segments": "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)",

@@ -4,7 +4,10 @@
 Two guarded servers, one per class (cold start ~60 s each on 2 cores):
 - audited: block leaks + a host leak injected, every patch on: patch reports per process, the audit
   reclaims exactly what the injector leaked, idle-release runs once per idle period, the host leak
-  shows in EngineCore RSS at the injected rate.
+  shows in EngineCore RSS at the injected rate. vLLM also believes the CPU has AMX tiles
+  (`pretend_amx`), so on a CPU without them its AMX attention kernel would kill the worker with
+  SIGILL on its first request, as on the CPUs the attn-isa patch is for: the runtime's probe
+  finds that, every process runs attention on `vec`, and every test of the class is served.
 - unaudited: block leaks injected, audit off, and a target's shape changed by a second "plugin"
   (sitecustomize wrapping `OutputProcessor.add_request`): KV usage at idle grows, the changed
   patch is skipped with its reason, the server still serves.
@@ -12,7 +15,9 @@ Two guarded servers, one per class (cold start ~60 s each on 2 cores):
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
 import textwrap
 import time
 from collections import Counter
@@ -24,7 +29,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import FreezeWitness, GuardServer
+from conftest import GUARD_CMD, FreezeWitness, GuardServer
 from vllm_guard.core import plugin as contract
 
 pytestmark = pytest.mark.slow
@@ -130,7 +135,8 @@ def start(tiny_model: str, state_dir: Path, env: dict[str, str]) -> GuardServer:
 
 @pytest.fixture(scope="class")
 def audited(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
-    env = {"VLLM_GUARD_INJECT": f"block_leak_every=4,host_leak_mb_per_request=0.15,hang_after_requests={HANG_AT}",
+    env = {"VLLM_GUARD_INJECT": f"block_leak_every=4,host_leak_mb_per_request=0.15,hang_after_requests={HANG_AT},"
+                                 "pretend_amx=true",
            "VLLM_GUARD_PATCHES": f"idle_release_after={IDLE_S}"}
     s = start(tiny_model, tmp_path_factory.mktemp("patches-audited"), env)
     yield s
@@ -152,7 +158,7 @@ class TestAudited:
             assert r["vllm_version"] == st["vllm_version"]
             assert set(r["patches"]) == {"kv-block-audit", "idle-release", "allocator-settings", "fault-injection",
                                          "add-request-abort", "block-ids-drain", "startup-gate", "prestaged-weights",
-                                         "triton-ptxas"}
+                                         "triton-ptxas", "attn-isa"}
             for p in r["patches"].values():
                 assert p["state"] in ("applied", "skipped", "failed") and p["reason"]
         by_role = {r["process"]: r["patches"] for r in live.values()}
@@ -171,6 +177,30 @@ class TestAudited:
         for role in ROLES - {"api_server"}:
             assert by_role[role]["triton-ptxas"] == {
                 "state": "skipped", "reason": "not a CUDA build of torch: no Triton kernels for NVIDIA GPUs"}
+
+    def test_where_vllms_amx_attention_dies_every_process_runs_vec_and_says_why(self, server: GuardServer) -> None:
+        """The probe ran vLLM's own kernel with the ISA vLLM picks (amx, pretended) on this CPU: it
+        died of SIGILL (no AMX here) or, on a CPU whose AMX works, returned. Either way the
+        verdict is in the state dir, every vLLM process carries it out, and the server serves."""
+        from vllm_guard.core import attn_isa
+
+        (verdict,) = json.loads((server.state_dir / attn_isa.CACHE).read_text())["verdicts"].values()
+        by_role = {r["process"]: r["patches"]["attn-isa"] for r in reports_by_role(server).values()}
+        assert by_role["api_server"]["state"] == "skipped"  # no attention runs there
+        log = "\n".join(p.read_text(errors="replace") for p in (server.state_dir / "logs").glob("generation-*.log"))
+        if verdict["action"] == "avoid-amx":
+            assert verdict["picked"] == "amx" and verdict["runs"][0]["signal"] == "SIGILL"
+            assert "cpu_attention_with_kv_cache" in verdict["runs"][0]["detail"]
+            for role in ("engine_core", "worker"):
+                assert by_role[role]["state"] == "applied" and "vec/vec16 wherever vLLM picks amx" in by_role[role]["reason"]
+            assert "attention ISA vec instead of amx" in log  # the worker said so when it chose
+        else:  # a CPU whose AMX tiles run: vLLM's choice stays
+            assert verdict["action"] in ("keep", "request-amx") and verdict["runs"][-1]["outcome"] == "returned"
+        assert [e for e in server.events() if e.get("event") == "cpu_attention_isa"][0]["action"] == verdict["action"]
+        listed = subprocess.run([*GUARD_CMD, "patches", "list", "--state-dir", str(server.state_dir)],
+                                capture_output=True, text=True, timeout=300, env=server.env)
+        assert listed.returncode == 0, listed.stderr
+        assert "attention ISA (attn-isa)" in listed.stdout and "cached verdict" in listed.stdout
 
     def test_audit_reclaims_exactly_the_blocks_the_injector_leaked(self, server: GuardServer) -> None:
         with httpx.Client(timeout=120) as c:

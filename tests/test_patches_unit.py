@@ -162,8 +162,10 @@ def test_patches_list_json_equals_committed_table() -> None:
     r = subprocess.run([sys.executable, "-m", "vllm_guard.cli", "patches", "list", "--json"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == json.loads(committed.read_text())
-    rows = {p["id"]: p for p in json.loads(r.stdout)["patches"]}
+    listed = json.loads(r.stdout)
+    listed.pop("attention_isa", None)  # this CPU's probe verdict: not part of the version's table
+    assert listed == json.loads(committed.read_text())
+    rows = {p["id"]: p for p in listed["patches"]}
     assert all(p["state"] == "applies" for k, p in rows.items() if k != "block-ids-drain")
     # 0.32.0 carries vLLM's own fix (#44490): the drain is skipped, and says why.
     assert rows["block-ids-drain"]["state"] == "skipped"
