@@ -3,7 +3,7 @@ extra environment (no VLLM_CPU_KVCACHE_SPACE: serve picks the KV space from avai
 `soak --duration 60s` in closed loop and in open loop (each ends on time), then
 `report --format json`, whose request counts equal what the soak client saw. And a generation
 that cannot start: its root-cause line from vLLM's log reaches the guard log, status and the
-exit-3 message.
+exit line (exit 5: the same cause twice in a row).
 
 Bounds are generous (a loaded 2-core box): the run must end, and its ledger duration be within
 [60 s, 60 s + 90 s] (the in-flight requests of the last second drain after the deadline); no
@@ -127,9 +127,10 @@ def test_resume_or_start_continues_a_killed_run_then_starts_a_new_one(guard: Gua
 
 def test_a_generation_that_cannot_start_says_why(tiny_model: str, tmp_path: Path) -> None:
     """vLLM refuses --max-model-len beyond the model's: its own error line is the failure's detail
-    in status, in the guard log, and in the exit-3 line."""
+    in status and in the guard log, and the same cause twice in a row ends the runtime with exit 5
+    and that line, long before the failure window's limit."""
     cfg = tmp_path / "guard.toml"
-    cfg.write_text('[server]\nmax_failures = 2\nbackoff_initial = "30s"\nfailure_window = "1h"\n')
+    cfg.write_text('[server]\nmax_failures = 5\nbackoff_initial = "1s"\nfailure_window = "1h"\n')
     args = [a for a in VLLM_ARGS if a not in ("--max-model-len", "512")] + ["--max-model-len", "999999"]
     s = GuardServer(tiny_model, tmp_path / "state", args=["--config", str(cfg)], vllm_args=args)
     s.start()
@@ -137,16 +138,16 @@ def test_a_generation_that_cannot_start_says_why(tiny_model: str, tmp_path: Path
         st = s.wait_for(lambda x: x["failures"] >= 1, timeout=400, what="the first start_failed")
         detail = st["recent_failures"][-1]["detail"]
         assert st["recent_failures"][-1]["kind"] == "start_failed"
-        assert detail.startswith("exited with ") and "while loading: " in detail, detail
-        cause = detail.split("while loading: ", 1)[1]
+        assert detail.startswith("generation 1 died before serving: api server exited with 1 in phase "), detail
+        cause = detail.split('": ', 1)[1]
         assert "999999" in cause or "max_model_len" in cause.lower() or "max-model-len" in cause, cause
         assert s.proc is not None
         rc = s.proc.wait(400)
     finally:
         s.stop()
-    assert rc == 3
+    assert rc == 5
     text = s.log_path.read_text(errors="replace")
-    exit_line = [ln for ln in text.splitlines() if ln.startswith("vllm-guard: error: gave up after 2 failures")]
-    assert exit_line and cause in exit_line[0], text[-3000:]
+    exit_line = [ln for ln in text.splitlines() if ln.startswith("vllm-guard: error: generation 2 died before serving")]
+    assert exit_line and cause in exit_line[0] and "twice in a row: not restarted" in exit_line[0], text[-3000:]
     logged = [e for e in s.events() if e.get("event") == "generation_failed"]
-    assert logged and all("while loading: " in e["detail"] for e in logged)
+    assert len(logged) == 2 and all(cause in e["detail"] for e in logged)
