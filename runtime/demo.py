@@ -33,7 +33,8 @@ from .child.backend import free_port
 from .records.statusfmt import format_status
 
 MAX_TOKENS = 16
-LOAD_CAP_S = 300.0  # the load stops after this long even if fewer than three generations served
+LOAD_CAP_S = 600.0  # the load stops after this long even if fewer than three generations served
+RECYCLES = 2  # what the demo shows: the `max_requests` recycle and the forced one, both under load
 PROGRESS_LOG_S = 5.0  # stdout not a terminal: one progress line per this many seconds
 RECYCLE_RETRY_S = 2.0  # a refused forced recycle is asked again after this long
 
@@ -135,7 +136,9 @@ def run_demo(state_dir: str | None, port: int | None, total: int) -> int:
         print(f"  {result['streams']} streams in {time.monotonic() - t0:.0f}s, failed: {result['failed']}, "
               f"served per generation: {json.dumps(result['per_generation'], sort_keys=True)}\n")
         print(format_status(status))
-        return 0 if result["failed"] == 0 and status.requests.failed == 0 else 1
+        ok, line = verdict(result["failed"], status)
+        print(f"\n{line}", flush=True)
+        return 0 if ok else 1
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -144,6 +147,25 @@ def run_demo(state_dir: str | None, port: int | None, total: int) -> int:
             proc.kill()
         if own_state and proc.returncode == 0:
             shutil.rmtree(sd, ignore_errors=True)
+
+
+def verdict(failed: int, status: StatusSnapshot) -> tuple[bool, str]:
+    """Whether the demo kept the product's promise, and the line that says so: no stream failed
+    (at the client or the proxy), at least `RECYCLES` recycles done under load, and none of them
+    left the replica without a serving generation or went cold."""
+    done = [r for r in status.recent_recycles if r.duration_s is not None]
+    gaps = [r for r in done if (r.downtime_s or 0.0) > 0.0 or r.strategy == "cold"]
+    problems = []
+    if failed or status.requests.failed:
+        problems.append(f"{failed or status.requests.failed} streams failed")
+    if len(done) < RECYCLES:
+        problems.append(f"{len(done)} of {RECYCLES} recycles done")
+    problems += [f"the {r.reason} recycle of generation {r.generation} ({r.strategy}) left "
+                 f"{r.downtime_s or 0.0:.1f} s without a serving generation" for r in gaps]
+    if problems:
+        return False, "demo: FAILED: " + "; ".join(problems)
+    return True, (f"demo: ok: {len(done)} recycles under load ({', '.join(r.reason for r in done)}), "
+                  "0 s without a serving generation, 0 failed")
 
 
 def serve_error(log_path: Path) -> str:

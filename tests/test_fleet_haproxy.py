@@ -6,11 +6,11 @@ What a fleet needs from a box's readiness: HAProxy stops sending a box requests 
 generation to serve them, so they go to the other box instead of waiting in this one's queue.
 - A cold recycle with `[server] unready_lead = 0` (box a): readiness is 503 for the whole gap; HAProxy
   notices only after `fall` failed checks, so requests sent in that window wait in the box's queue
-  (served, not failed). Measured: how many, and HAProxy's delay.
+  (served, not failed). Measured: how many, and HAProxy's delay (the `long` tier: a whole cold
+  start under load).
 - A cold recycle with the default lead time (box b): readiness turns 503 before the generation
   stops, HAProxy moves traffic first: 0 failed at the client, nothing queued at the box, and HAProxy's
-  log shows no request sent to it from the start of its gap until it is ready again. Runs once the
-  replica machine marks a generation leaving before its recycle (`Proxy.set_leaving`).
+  log shows no request sent to it from the start of its gap until it is ready again.
 - `kill -9` of a runtime (box a): the requests that fail at the client (streams cut; HAProxy
   retries the refused connections on the other box) and the time until HAProxy stops sending to it.
 
@@ -42,7 +42,7 @@ from conftest import GuardServer, free_port, processes_of
 from streams import StreamResult, stream_completion
 from vllm_guard.runtime.frontdoor.routes import READY_PATH
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = pytest.mark.slow
 
 RATE = 2.0  # requests/s, open loop (Poisson)
 MAX_TOKENS = 16
@@ -50,15 +50,6 @@ KILL_TOKENS = 128  # longer streams for the kill, so some are in flight when it 
 INTER_S, FALL, RISE = 2, 3, 2  # HAProxy's check: every 2 s, down after 3 failures, up after 2 passes
 LEAD_S = 10.0  # the default [server] unready_lead (box b)
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
-
-
-def lead_time_wired() -> bool:
-    """True once the runtime marks a generation leaving before a recycle stops it: something
-    outside the front door calls `Proxy.set_leaving`."""
-    import vllm_guard.runtime as rt
-
-    root = Path(rt.__file__).parent
-    return any("set_leaving(" in p.read_text() for p in root.rglob("*.py") if "frontdoor" not in p.parts)
 
 
 # -- HAProxy ------------------------------------------------------------------------------------
@@ -328,6 +319,7 @@ def recycle_under_load(fleet: Fleet, box: GuardServer, name: str) -> dict[str, A
             "recycle": last_recycle(box.state_dir)}
 
 
+@pytest.mark.long  # a measurement: a whole cold start under load (~4 min on 2 cores)
 def test_a_cold_recycle_without_lead_time_is_unready_for_the_whole_gap(fleet: Fleet) -> None:
     """Box a (`unready_lead = 0`): readiness 503 from the start of the gap to the new generation;
     HAProxy notices after its checks fail, so the requests it sent meanwhile wait at the box."""
@@ -343,7 +335,9 @@ def test_a_cold_recycle_without_lead_time_is_unready_for_the_whole_gap(fleet: Fl
     down = fleet.haproxy.log.state_at("a", "DOWN", r["asked"])
     assert down is not None and gap[0] <= down <= gap[1] + 1
     into_gap = [q for q in fleet.haproxy.log.requests if q["srv"] == "a" and gap[0] <= q["ts"] <= down]
-    after_down = [q for q in fleet.haproxy.log.requests if q["srv"] == "a" and down < q["ts"] < r["haproxy_up"]]
+    # a request's pick time is estimated from HAProxy's log fields (accept date + phases, in ms):
+    # within a second of the DOWN line is that estimate's error, not a request sent to a DOWN server
+    after_down = [q for q in fleet.haproxy.log.requests if q["srv"] == "a" and down + 1.0 < q["ts"] < r["haproxy_up"]]
     assert not after_down, after_down  # HAProxy sends a DOWN server nothing
     # the fleet metrics of the box, from a real vLLM: latency histograms, vLLM's own series, readiness
     v = fleet.scrape("a")
@@ -358,7 +352,6 @@ def test_a_cold_recycle_without_lead_time_is_unready_for_the_whole_gap(fleet: Fl
           f"it in between waited in its queue (at most {rec['max_queued']} at once)", flush=True)
 
 
-@pytest.mark.skipif(not lead_time_wired(), reason="the runtime does not mark a generation leaving before a recycle yet")
 def test_a_cold_recycle_with_lead_time_sends_nothing_into_the_gap(fleet: Fleet) -> None:
     """Box b (`unready_lead` 10 s): unready before its generation stops; HAProxy has moved traffic
     before the gap, so nothing waits at the box and nothing fails."""

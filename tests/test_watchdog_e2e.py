@@ -29,7 +29,7 @@ from vllm_guard.core import admin
 from vllm_guard.core.ledger import EndClass
 from vllm_guard.core.protocol import RuntimeState, StatusSnapshot
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = pytest.mark.slow
 
 REQUESTS = 1000
 CONCURRENCY = 8

@@ -24,7 +24,7 @@ from conftest import GUARD_CMD, VLLM_ARGS, GuardServer
 from vllm_guard.core import admin
 from vllm_guard.core.protocol import RuntimeState, StatusSnapshot
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = pytest.mark.slow
 
 KEY = "SECRET-7f3a"
 
