@@ -1,36 +1,80 @@
-"""Mergeable latency histograms: the runtime writes one per minute, the report adds them up.
+"""Latency histograms and the one quantile rule every latency figure follows.
 
-Buckets grow by 2 % from 0.1 ms to 2 h (bucket i holds [LO * G^(i-1), LO * G^i); bucket 0 what
-is below LO), so a histogram of any number of requests takes at most ~1 000 counts, two of them
-add by adding counts, and any quantile is known within 1 % (interpolated inside its bucket).
-Stored sparse, as JSON `{"bucket": count}`, in the ledger (`core.ledger`, `edge_minutes`).
+Buckets grow by 2 % from 0.1 ms to 2 h (bucket i holds [LO * G^(i-1), LO * G^i), `EDGES`;
+bucket 0 what is below LO), so a histogram of any number of requests takes at most ~1 000
+counts, two of them add by adding counts, and any quantile is known within 1 %. Stored sparse,
+as JSON `{"bucket": count}`, in the ledger (`core.ledger`, `edge_minutes`): the layout is part
+of every ledger written, so it never changes.
+
+The quantile rule (`quantiles`): rank q * n (at least 0.5), found in its bucket and interpolated
+geometrically inside it. The runtime's minutes and its status TTFT (`summary`), the soak's
+progress line and summary, and the report's traffic, SLA, compare and soak figures all read
+their p50/p99 here, so the same requests give the same figure everywhere (a ledger keeps only
+histograms, so an exact order statistic could not be everyone's rule).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from typing import Iterable, Mapping
 
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from .protocol import LatencySummary
+
 LO, HI, GROWTH = 1e-4, 7200.0, 1.02
-_LOG_G = math.log(GROWTH)
-N_BUCKETS = int(math.ceil(math.log(HI / LO) / _LOG_G)) + 2
+N_BUCKETS = int(math.ceil(math.log(HI / LO) / math.log(GROWTH))) + 2
+EDGES = LO * GROWTH ** np.arange(N_BUCKETS - 1)  # bucket i holds [EDGES[i-1], EDGES[i])
+_EDGES = EDGES.tolist()
 
 
 def bucket(seconds: float) -> int:
-    if not seconds > LO:  # also NaN
-        return 0
-    return min(N_BUCKETS - 1, 1 + int(math.log(seconds / LO) / _LOG_G))
+    """The bucket of one latency (NaN: bucket 0, as if below LO)."""
+    return 0 if math.isnan(seconds) else bisect.bisect_right(_EDGES, seconds)
 
 
-def middle(i: int) -> float:
-    """The value a bucket stands for (its geometric middle; LO for bucket 0)."""
-    return LO if i <= 0 else LO * GROWTH ** (i - 0.5)
+def buckets(seconds: ArrayLike) -> NDArray[np.int64]:
+    """`bucket` of many latencies at once (the same edges, searched the same way)."""
+    x = np.asarray(seconds, dtype=np.float64)
+    return np.where(np.isnan(x), 0, np.searchsorted(EDGES, x, side="right")).astype(np.int64)
 
 
-def within(i: int, f: float) -> float:
-    """The value at share `f` (0..1) of bucket i's counts, geometric inside the bucket."""
-    return LO if i <= 0 else LO * GROWTH ** (i - 1 + min(max(f, 0.0), 1.0))
+def within(i: ArrayLike, f: ArrayLike) -> NDArray[np.float64]:
+    """The value at share `f` (0..1) of bucket i's counts, geometric inside the bucket (LO for
+    bucket 0)."""
+    i, f = np.asarray(i, dtype=np.float64), np.clip(np.asarray(f, dtype=np.float64), 0.0, 1.0)
+    return np.where(i > 0, LO * GROWTH ** (i - 1 + f), LO)
+
+
+def quantiles(ids: ArrayLike, counts: ArrayLike, q: float, inf: ArrayLike = 0) -> NDArray[np.float64]:
+    """The `q` quantile (0..1) of each row of `counts` (counts over the sorted bucket `ids`; a 1-d
+    `counts` is one row), `inf` more requests per row that met no bound: rank q * n (at least 0.5,
+    at most n) interpolated inside its bucket, so it moves smoothly with the data, not in 2 %
+    steps. inf where the rank falls among the `inf` counts, NaN for an empty row. The one rule."""
+    idx = np.asarray(ids, dtype=np.int64)
+    cnt = np.atleast_2d(np.asarray(counts, dtype=np.float64))
+    rows = np.arange(cnt.shape[0])
+    c = np.cumsum(cnt, axis=1)
+    seen = c[:, -1] if cnt.shape[1] else np.zeros(len(rows))
+    n = seen + np.asarray(inf, dtype=np.float64)
+    rank = np.minimum(np.maximum(q * n, 0.5), n)
+    found = (n > 0) & (seen >= rank)
+    out = np.where(n > 0, np.inf, np.nan)
+    if found.any():
+        k = np.argmax(c >= rank[:, None], axis=1)
+        before = np.where(k > 0, c[rows, np.maximum(k - 1, 0)], 0.0)
+        share = (rank - before) / np.where(found, cnt[rows, k], 1.0)
+        out = np.where(found, within(idx[k], share), out)
+    return out
+
+
+def quantile(ids: ArrayLike, counts: ArrayLike, q: float, inf: int = 0) -> float | None:
+    """`quantiles` of one histogram; None when it is empty."""
+    v = float(quantiles(ids, counts, q, inf)[0])
+    return None if math.isnan(v) else v
 
 
 class Histogram:
@@ -41,6 +85,12 @@ class Histogram:
     def __init__(self, counts: Mapping[int, int] | None = None, inf: int = 0) -> None:
         self.counts: dict[int, int] = dict(counts or {})
         self.inf = inf
+
+    @classmethod
+    def of(cls, seconds: ArrayLike) -> Histogram:
+        """The histogram of many latencies at once."""
+        ids, cnt = np.unique(buckets(seconds), return_counts=True)
+        return cls({int(i): int(c) for i, c in zip(ids, cnt)})
 
     @property
     def n(self) -> int:
@@ -57,19 +107,9 @@ class Histogram:
         return self
 
     def quantile(self, q: float) -> float | None:
-        """The `q` quantile (0..1), interpolated inside its bucket (so it moves smoothly with the
-        data, not in 2 % steps); inf when it falls among the `inf` counts, None when empty."""
-        n = self.n
-        if n == 0:
-            return None
-        rank = min(max(q * n, 0.5), n)
-        seen = 0
-        for i in sorted(self.counts):
-            c = self.counts[i]
-            if c and seen + c >= rank:
-                return within(i, (rank - seen) / c)
-            seen += c
-        return math.inf
+        """The `q` quantile (`quantiles`); inf among the `inf` counts, None when empty."""
+        keys = sorted(self.counts)
+        return quantile(keys, [self.counts[k] for k in keys], q, self.inf)
 
     def to_json(self) -> str:
         return json.dumps({str(i): c for i, c in sorted(self.counts.items())}, separators=(",", ":"))
@@ -96,3 +136,14 @@ def merged(hists: Iterable[Histogram]) -> Histogram:
     for h in hists:
         out.merge(h)
     return out
+
+
+def summary(seconds: ArrayLike) -> LatencySummary:
+    """p50 and p99 of recent latencies as status shows them (seconds, to the µs), by the one rule."""
+    x = np.asarray(seconds, dtype=np.float64)
+    if x.size == 0:
+        return LatencySummary()
+    h = Histogram.of(x)
+    p50, p99 = h.quantile(0.50), h.quantile(0.99)
+    return LatencySummary(samples=int(x.size), p50_s=None if p50 is None else round(p50, 6),
+                          p99_s=None if p99 is None else round(p99, 6))

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy import stats
 
-from vllm_guard.core.latency import within
+from vllm_guard.core.latency import quantiles
 
 from . import traffic as T
 from .figures import Report
@@ -144,17 +144,10 @@ def _weights(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def boot_median(blocks: Sequence[T.Block], which: str, rng: np.random.Generator) -> np.ndarray:
-    """Bootstrap replicates of the median (s) of the merged histograms of resampled blocks,
-    interpolated inside the bucket as `Histogram.quantile` does."""
+    """Bootstrap replicates of the median (s) of the merged histograms of resampled blocks, by
+    the one quantile rule (`core.latency.quantiles`); NaN for a replicate with no latency."""
     m, ids = _matrix(blocks, which)
-    counts = _weights(len(blocks), rng) @ m
-    c = np.cumsum(counts, axis=1)
-    rank = np.maximum(0.5 * c[:, -1], 0.5)
-    k = np.argmax(c >= rank[:, None], axis=1)
-    rows = np.arange(len(k))
-    before = np.where(k > 0, c[rows, np.maximum(k - 1, 0)], 0.0)
-    share = (rank - before) / np.maximum(counts[rows, k], 1e-12)
-    return np.array([within(int(ids[j]), float(f)) for j, f in zip(k, share)])
+    return quantiles(ids, _weights(len(blocks), rng) @ m, 0.5)
 
 
 def boot_share(blocks: Sequence[T.Block], rng: np.random.Generator) -> np.ndarray:

@@ -1,17 +1,15 @@
 """The report's view of the runtime's latency histograms (`core.latency`): the same buckets and
-quantile rule, held as numpy arrays so that a month of minutes (43 200 per replica) merges into
-hours and totals in milliseconds, not one dict update per bucket.
+the same quantile rule, held as numpy arrays so that a month of minutes (43 200 per replica)
+merges into hours and totals in milliseconds, not one dict update per bucket.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Iterable, Sequence
 
 import numpy as np
 
-from vllm_guard.core.latency import N_BUCKETS, Histogram, within
+from vllm_guard.core.latency import N_BUCKETS, Histogram, quantile, quantiles
 
 
 class Hist:
@@ -33,23 +31,8 @@ class Hist:
 
     @classmethod
     def from_json(cls, text: str | None) -> Hist:
-        """The ledger's JSON form; ValueError when it is not one."""
-        if not text:
-            return cls()
-        data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError("a latency histogram is a JSON object of bucket -> count")
-        if not data:
-            return cls()
-        try:
-            idx = np.fromiter((int(k) for k in data), dtype=np.int64, count=len(data))
-            cnt = np.fromiter(data.values(), dtype=np.int64, count=len(data))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"buckets and counts must be whole numbers ({e})") from e
-        if idx.min() < 0 or idx.max() >= N_BUCKETS or cnt.min() < 0:
-            raise ValueError("a bucket or a count out of range")
-        order = np.argsort(idx)
-        return cls(idx[order], cnt[order])
+        """The ledger's JSON form (`core.latency.Histogram.from_json`); ValueError when it is not one."""
+        return cls.of(Histogram.from_json(text))
 
     @property
     def n(self) -> int:
@@ -60,17 +43,8 @@ class Hist:
         return {int(i): int(c) for i, c in zip(self.idx, self.cnt)}
 
     def quantile(self, q: float) -> float | None:
-        """As `core.latency.Histogram.quantile` (interpolated inside the bucket)."""
-        n = self.n
-        if n == 0:
-            return None
-        rank = min(max(q * n, 0.5), n)
-        c = np.cumsum(self.cnt)
-        if not len(c) or c[-1] < rank:
-            return math.inf
-        k = int(np.searchsorted(c, rank, side="left"))
-        before = float(c[k - 1]) if k else 0.0
-        return within(int(self.idx[k]), (rank - before) / float(self.cnt[k]))
+        """`core.latency.quantile`: the one rule."""
+        return quantile(self.idx, self.cnt, q, self.inf)
 
 
 def merged(hists: Iterable[Hist], inf: int = 0) -> Hist:
@@ -95,3 +69,11 @@ def matrix(hists: Sequence[Hist]) -> tuple[np.ndarray, np.ndarray]:
     for r, h in enumerate(hists):
         m[r, np.searchsorted(ids, h.idx)] = h.cnt
     return m, ids
+
+
+def each_quantile(hists: Sequence[Hist], q: float) -> np.ndarray:
+    """The `q` quantile of each histogram at once (NaN: empty; inf: among its failed)."""
+    if not hists:
+        return np.zeros(0)
+    m, ids = matrix(hists)
+    return quantiles(ids, m, q, np.array([h.inf for h in hists], dtype=np.float64))

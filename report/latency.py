@@ -1,5 +1,6 @@
 """The soak's own figures from its `requests` rows (numpy arrays, no lists of rows): the client's
-view, exact quantiles, errors by category, from the scheduled send time too.
+view, quantiles by the one rule (`core.latency`: the soak printed the same figures), errors by
+category, from the scheduled send time too.
 
 ITL is the distribution of each request's mean inter-chunk gap (the ledger keeps one figure
 per request, not every gap). `*_sched` figures are measured from the scheduled send time.
@@ -11,6 +12,8 @@ from collections import Counter
 
 import numpy as np
 
+from vllm_guard.core.latency import Histogram
+
 from .figures import Quantiles, SoakFigures, SoakHour
 from .ledgerread import SoakRun
 
@@ -21,7 +24,8 @@ def quantiles(x: np.ndarray) -> Quantiles:
     x = x[np.isfinite(x)]
     if x.size == 0:
         return Quantiles()
-    return Quantiles(*(float(v) for v in np.percentile(x, QS)))
+    h = Histogram.of(x)
+    return Quantiles(*(h.quantile(q / 100.0) for q in QS))
 
 
 def soak_report(req: dict[str, np.ndarray], errors: list[str | None], runs: list[SoakRun]) -> SoakFigures:

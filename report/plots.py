@@ -31,6 +31,7 @@ from vllm_guard.core.timefmt import epoch  # noqa: E402
 
 from . import memory, thermal, traffic  # noqa: E402
 from .figures import LeakFigures, SlaFigures  # noqa: E402
+from .hist import each_quantile  # noqa: E402
 from .ledgerread import LedgerData  # noqa: E402
 
 UTC = dt.timezone.utc
@@ -182,8 +183,8 @@ def latency_plot(d: LedgerData, sla: SlaFigures, latency: str = "ttft") -> str |
     t = _dates(np.array([b.t + 30.0 for b in box]))
     for which, name, color in (("ttft", "TTFT", "tab:blue"), ("e2e", "E2E", "tab:orange")):
         for q, ls, lw in ((0.5, "-", 1.0), (0.99, "-", 2.0)):
-            v = [getattr(b, which).quantile(q) for b in box]
-            y = np.array([np.nan if x is None or not np.isfinite(x) else 1000 * x for x in v])
+            v = each_quantile([getattr(b, which) for b in box], q)
+            y = np.where(np.isfinite(v), 1000 * v, np.nan)
             if np.isfinite(y).any():
                 ax.plot(t, y, ls=ls, lw=lw, color=color, alpha=0.6 if q == 0.5 else 1.0,
                         marker="." if len(box) < 30 else None, label=f"{name} p{round(q * 100)} per minute")
