@@ -5,20 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_guard.core import stream as client
-
-from .hist import LogHistogram
+from vllm_guard.core.latency import Histogram
 
 
 @dataclass
 class Live:
-    """Streaming aggregates for the progress line and the summary: constant memory."""
+    """Streaming aggregates for the progress line and the summary: constant memory. Latencies
+    go into `core.latency` histograms: the soak's p50/p99 follow the rule of the runtime's and the
+    report's."""
 
     done: int = 0
     sent: int = 0
     errors: dict[str, int] = field(default_factory=dict)
-    ttft: LogHistogram = field(default_factory=LogHistogram)
-    e2e_sched: LogHistogram = field(default_factory=LogHistogram)
-    lag: LogHistogram = field(default_factory=LogHistogram)  # sent - scheduled
+    ttft: Histogram = field(default_factory=Histogram)
+    e2e_sched: Histogram = field(default_factory=Histogram)
+    lag: Histogram = field(default_factory=Histogram)  # sent - scheduled
     output_tokens: int = 0
 
     def add(self, res: client.Result, lag_s: float, e2e_sched_s: float) -> None:

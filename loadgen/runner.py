@@ -27,9 +27,9 @@ from typing import Any
 import aiohttp
 
 from vllm_guard.core import stream as client
+from vllm_guard.core.latency import Histogram
 
 from .arrivals import Schedule, prompt_ids
-from .hist import LogHistogram
 from .params import SoakParams
 from .live import Live
 from .progress import Progress
@@ -226,7 +226,7 @@ def summary(s: Soak, status: str) -> dict[str, Any]:
     """End-of-run figures (the benchmark reads these)."""
     L, sm = s.live, s.sampler
 
-    def q(h: LogHistogram, f: float) -> float | None:
+    def q(h: Histogram, f: float) -> float | None:
         v = h.quantile(f)
         return None if v is None else round(v, 6)
 
