@@ -58,11 +58,22 @@ def idle(reasons: int | None) -> bool:
     return bool(reasons) and bool(reasons & GPU_IDLE)  # type: ignore[operator]
 
 
+def busy_clock_ratio(sm_mhz: float | None, max_mhz: float | None, reasons: int | None) -> float | None:
+    """The SM clock over its maximum in a sample that counts toward clock drop (busy: not idle,
+    both clocks known), else None."""
+    return sm_mhz / max_mhz if sm_mhz and max_mhz and not idle(reasons) else None
+
+
+def drop_pct(mean_ratio: float) -> float:
+    """Clock drop in % from the mean busy clock ratio."""
+    return 100.0 * (1.0 - mean_ratio)
+
+
 def clock_drop_pct(samples: Iterable[tuple[float | None, float | None, int | None]]) -> float | None:
     """`(sm_clock_mhz, sm_clock_max_mhz, reasons)` samples -> mean busy drop below the max, in %
     (the one definition); None without a busy sample that has both clocks."""
-    ratios = [sm / mx for sm, mx, r in samples if sm and mx and not idle(r)]
-    return 100.0 * (1.0 - sum(ratios) / len(ratios)) if ratios else None
+    ratios = [r for s in samples if (r := busy_clock_ratio(*s)) is not None]
+    return drop_pct(sum(ratios) / len(ratios)) if ratios else None
 
 
 def reason_names(reasons: int | None) -> list[str]:

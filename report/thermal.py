@@ -64,20 +64,20 @@ def _share(known: list[int], pred: Any) -> float | None:
 
 def worst_drop(pts: list[GpuPoint], cmax: float | None, window_s: float = WINDOW_S) -> float | None:
     """The clock drop (`core.gpu.clock_drop_pct`, the watchdog's figure) of the worst window of
-    the watchdog's length; the whole run's when the run is shorter (what the watchdog saw)."""
-    busy = [(p.t, p) for p in pts if p.sm_clock_mhz and (p.sm_clock_max_mhz or cmax) and not gpu.idle(p.reasons)]
+    the watchdog's length; the whole run's when the run is shorter (what the watchdog saw). A
+    point without its own maximum clock is read against the GPU's (`cmax`)."""
+    samples = [(p.sm_clock_mhz, p.sm_clock_max_mhz or cmax, p.reasons) for p in pts]
+    busy = [(p.t, r) for p, s in zip(pts, samples) if (r := gpu.busy_clock_ratio(*s)) is not None]
     if not busy:
         return None
     if busy[-1][0] - busy[0][0] < window_s:
-        return gpu.clock_drop_pct((p.sm_clock_mhz, p.sm_clock_max_mhz or cmax, p.reasons) for _, p in busy)
+        return gpu.clock_drop_pct(samples)
     t = np.array([b[0] for b in busy])
-    ratio = np.array([p.sm_clock_mhz / (p.sm_clock_max_mhz or cmax) for _, p in busy])  # type: ignore[operator]
-    csum = np.concatenate([[0.0], np.cumsum(ratio)])
-    j = np.searchsorted(t, t - window_s, side="left")  # each window: busy[j[i] .. i]
-    full = (t - t[0]) >= window_s  # windows the watchdog saw whole
-    idx = np.flatnonzero(full)
+    csum = np.concatenate([[0.0], np.cumsum([b[1] for b in busy])])
+    j = np.searchsorted(t, t - window_s, side="left")  # each window: busy[j[i] .. i], as the watchdog keeps it
+    idx = np.flatnonzero((t - t[0]) >= window_s)  # windows the watchdog saw whole
     means = (csum[idx + 1] - csum[j[idx]]) / (idx + 1 - j[idx])
-    return float(100.0 * (1.0 - means.min()))
+    return gpu.drop_pct(float(means.min()))
 
 
 def gpu_figures(uuid: str, pts: list[GpuPoint], request_ends: np.ndarray) -> GpuThermal:

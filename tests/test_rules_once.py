@@ -1,6 +1,7 @@
 """Rules that had a second definition beside the first, each now read from its one home and fed
 the same input on every path that applies it. Latency quantiles (`core.latency`): the soak's
-summary, the runtime's status and minutes, the report's traffic and soak figures. Fast: no vLLM."""
+summary, the runtime's status and minutes, the report's traffic and soak figures. The clock
+drop over the watchdog's window (`core.gpu`). Fast: no vLLM."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_guard.core import latency
+from vllm_guard.core import gpu, latency
 from vllm_guard.core import stream as client
 from vllm_guard.loadgen.live import Live
 from vllm_guard.loadgen.params import SoakParams
 from vllm_guard.loadgen.runner import summary as soak_summary
 from vllm_guard.loadgen.store import RequestRow, SoakStore
 from vllm_guard.report.build import figures
+from vllm_guard.report.thermal import GpuPoint, worst_drop
 from vllm_guard.runtime.frontdoor.done import Outcome, RequestDone
 from vllm_guard.runtime.frontdoor.proxy import Proxy
 from vllm_guard.runtime.records.traffic import TrafficRecorder
@@ -95,3 +97,25 @@ def test_the_status_ttft_is_the_core_summary() -> None:
     recent = collections.deque(TTFT, maxlen=4096)
     proxy = SimpleNamespace(ttft=recent, upstream=SimpleNamespace(ttft=recent))
     assert Proxy.ttft_summary(proxy) == latency.summary(recent)  # type: ignore[arg-type]
+
+
+def _clock_points(ratios: list[float], every_s: float, idle_every: int = 7) -> list[GpuPoint]:
+    return [GpuPoint(t=every_s * i, name="H100", temp_c=60.0, sm_clock_mhz=1980.0 * r,
+                     sm_clock_max_mhz=None if i % 3 else 1980.0, reasons=gpu.GPU_IDLE if i % idle_every == 0 else 0,
+                     temp_slowdown_c=90.0) for i, r in enumerate(ratios)]
+
+
+def test_the_reports_worst_clock_drop_is_the_watchdogs_figure_over_its_worst_window() -> None:
+    """report.thermal's sliding windows agree with `core.gpu.clock_drop_pct` applied to each window
+    the watchdog keeps (points no older than the window), idle points and a missing max included."""
+    rng = np.random.default_rng(2)
+    ratios = list(np.clip(1.0 - np.abs(rng.normal(0, 0.08, 400)), 0.3, 1.0))
+    pts, window = _clock_points(ratios, 5.0), 300.0
+    t = np.array([p.t for p in pts])
+    samples = [(p.sm_clock_mhz, p.sm_clock_max_mhz or 1980.0, p.reasons) for p in pts]
+    busy_t = [p.t for p, s in zip(pts, samples) if gpu.busy_clock_ratio(*s) is not None]
+    worst = max(gpu.clock_drop_pct(s for s, ti in zip(samples, t) if end - window <= ti <= end) or 0.0
+                for end in busy_t if end - busy_t[0] >= window)
+    assert worst_drop(pts, 1980.0, window) == pytest.approx(worst, abs=1e-9)
+    short = pts[:20]  # shorter than one window: the whole run's drop
+    assert worst_drop(short, 1980.0, window) == pytest.approx(gpu.clock_drop_pct(samples[:20]), abs=1e-12)
