@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 import structlog
 
-from vllm_guard.core import hang, plugin
+from vllm_guard.core import hang, leak, plugin
 from vllm_guard.core.config import GuardConfig, ProbeConfig
 from vllm_guard.core.host import child_memory, cpu_seconds, host_memory
 from vllm_guard.core.protocol import (
@@ -178,26 +179,49 @@ def forecast(history: list[tuple[float, float]], headroom_mb: float | None) -> f
     return None if slope is None else time_to_exhaust(headroom_mb, slope.slope)
 
 
+MemoryRead = tuple[MemoryReading, list[ChildProcess], dict[str, tuple[float, float]], float]
+WARM_POLL_S = 0.05  # how soon the baseline follows the end of warm-up
+
+
+def _read_all(pid: int, requests: int, nvml: NvmlSession | None) -> MemoryRead:
+    """One memory reading, the devices' memory and the host's MemAvailable (blocking)."""
+    cur, found = read_memory(pid, requests, nvml)
+    devices = nvml.device_memory_mb() if nvml is not None and nvml.available else {}
+    return cur, found, devices, float(host_memory()["mem_available_mb"])
+
+
+@dataclass(frozen=True)
+class MemoryIO:
+    """What `memory_loop` reads and how it waits: the machine by default; tests pass fakes (a
+    reader of made-up trees, a clock and a sleep of their own) and run it in milliseconds."""
+
+    read: Callable[[int, int, NvmlSession | None], MemoryRead] = _read_all  # blocking: run in a thread
+    prestaged: Callable[[GuardConfig, str], float] = prestage_mb
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+
+
 async def memory_loop(gen: Generation, cfg: GuardConfig, nvml: NvmlSession | None, ledger: RuntimeLedger,
-                      gpus: list[str], wake: Callable[[], None]) -> None:
+                      gpus: list[str], wake: Callable[[], None], io: MemoryIO = MemoryIO()) -> None:
     """Read the tree's memory every `memory_interval`; the growth baseline is taken as warm-up
-    ends (checked every 50 ms, so a fast leak does not hide in a late baseline). Each reading
-    also gives the strategy readings for a recycle (host RAM, the replica's GPUs) and the
-    forecast time to the memory limit, and writes the served count to the ledger, so a killed
-    runtime's generation keeps it, and the reading itself (the report's memory per process)."""
+    ends (`core.leak.warmed_up`, checked every 50 ms, so a fast leak does not hide in a late
+    baseline). Each reading also gives the strategy readings for a recycle (host RAM, the
+    replica's GPUs) and the forecast time to the memory limit, and writes the served count to the
+    ledger, so a killed runtime's generation keeps it, and the reading itself (the report's
+    memory per process)."""
     t, warm, interval = gen.target, cfg.recycle.memory_warmup_requests, cfg.recycle.memory_interval
     baseline: MemoryReading | None = None
     host_hist: list[tuple[float, float]] = []
     gpu_hist: list[tuple[float, float]] = []
-    staged = await asyncio.to_thread(prestage_mb, cfg, gen.backend.model)
+    staged = await asyncio.to_thread(io.prestaged, cfg, gen.backend.model)
     while True:
-        warmed = t.dispatched >= warm
-        cur, found, devices, avail = await asyncio.to_thread(_read_all, gen.backend.pid, t.dispatched, nvml)
+        warmed = leak.warmed_up(t.dispatched, warm)
+        cur, found, devices, avail = await asyncio.to_thread(io.read, gen.backend.pid, t.dispatched, nvml)
         gen.backend.remember(found)
         if baseline is None and warmed:
             baseline = cur  # allocator pools and caches have settled
         growth = _growth(baseline, cur) if baseline is not None else None
-        now = time.monotonic()
+        now = io.clock()
         if baseline is not None:
             host_hist = (host_hist + [(now, cur.rss_mb)])[-60:]
             if cur.gpu_mb is not None:
@@ -211,19 +235,11 @@ async def memory_loop(gen: Generation, cfg: GuardConfig, nvml: NvmlSession | Non
         ledger.generation_progress(gen.row, t.completed)
         ledger.process_memory(gen.number, gen.replica, cur, avail, fit.gpu_free_mb)  # the report's memory per process
         wake()
-        end_at = time.monotonic() + interval
-        while (left := end_at - time.monotonic()) > 0:
-            if baseline is None and t.dispatched >= warm:
+        end_at = io.clock() + interval
+        while (left := end_at - io.clock()) > 0:
+            if baseline is None and leak.warmed_up(t.dispatched, warm):
                 break
-            await asyncio.sleep(min(0.05, left))
-
-
-def _read_all(pid: int, requests: int, nvml: NvmlSession | None) -> tuple[
-        MemoryReading, list[ChildProcess], dict[str, tuple[float, float]], float]:
-    """One memory reading, the devices' memory and the host's MemAvailable (blocking)."""
-    cur, found = read_memory(pid, requests, nvml)
-    devices = nvml.device_memory_mb() if nvml is not None and nvml.available else {}
-    return cur, found, devices, float(host_memory()["mem_available_mb"])
+            await io.sleep(min(WARM_POLL_S, left))
 
 
 # -- the gate, and the way out -------------------------------------------------------------------
