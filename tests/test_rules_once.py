@@ -1,13 +1,17 @@
 """Rules that had a second definition beside the first, each now read from its one home and fed
 the same input on every path that applies it. Latency quantiles (`core.latency`): the soak's
 summary, the runtime's status and minutes, the report's traffic and soak figures. The clock
-drop over the watchdog's window (`core.gpu`). Fast: no vLLM."""
+drop over the watchdog's window (`core.gpu`). Process identity (`child.keeper`, which the
+runtime's `procs` applies to the ledger's records too). Fast: no vLLM."""
 
 from __future__ import annotations
 
 import collections
 import datetime as dt
 import math
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +26,7 @@ from vllm_guard.loadgen.runner import summary as soak_summary
 from vllm_guard.loadgen.store import RequestRow, SoakStore
 from vllm_guard.report.build import figures
 from vllm_guard.report.thermal import GpuPoint, worst_drop
+from vllm_guard.runtime.child import keeper, procs
 from vllm_guard.runtime.frontdoor.done import Outcome, RequestDone
 from vllm_guard.runtime.frontdoor.proxy import Proxy
 from vllm_guard.runtime.records.traffic import TrafficRecorder
@@ -119,3 +124,40 @@ def test_the_reports_worst_clock_drop_is_the_watchdogs_figure_over_its_worst_win
     assert worst_drop(pts, 1980.0, window) == pytest.approx(worst, abs=1e-9)
     short = pts[:20]  # shorter than one window: the whole run's drop
     assert worst_drop(short, 1980.0, window) == pytest.approx(gpu.clock_drop_pct(samples[:20]), abs=1e-12)
+
+
+# -- process identity ------------------------------------------------------------------------------
+@pytest.fixture
+def sleeper() -> object:
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    yield p
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
+def test_the_ledgers_start_time_is_the_keepers_identity(sleeper: subprocess.Popen[bytes]) -> None:
+    """What the runtime records (epoch s, as psutil's create_time) reads back to the exact start
+    ticks the keeper knows the process by; one tick off is another process."""
+    import psutil
+
+    ticks = keeper.start_ticks(sleeper.pid)
+    started = procs.start_time(sleeper.pid)
+    assert ticks is not None and started is not None
+    assert started == pytest.approx(psutil.Process(sleeper.pid).create_time(), abs=1e-6)
+    assert procs.ticks_of(started) == ticks and keeper.same_process(keeper.start_ticks(sleeper.pid), ticks)
+    assert not keeper.same_process(ticks + 1, ticks) and not keeper.same_process(None, ticks)
+    assert keeper.born_in(ticks, ticks) and not keeper.born_in(ticks - 1, ticks)
+
+
+def test_a_recorded_tree_is_killed_only_when_the_start_matches_to_the_tick(sleeper: subprocess.Popen[bytes]) -> None:
+    started = procs.start_time(sleeper.pid)
+    assert started is not None
+    one_tick = 1.0 / procs.CLOCK_TICKS
+    assert procs.kill_recorded_tree(sleeper.pid, started + one_tick, timeout=2.0) == []  # a reused pid: left alone
+    assert sleeper.poll() is None
+    assert procs.kill_recorded_tree(sleeper.pid, started, timeout=5.0) == [sleeper.pid]
+    deadline = time.monotonic() + 5.0
+    while sleeper.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sleeper.poll() is not None  # killed (and reaped by kill_recorded_tree)

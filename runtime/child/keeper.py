@@ -26,6 +26,8 @@ field 22), which together are never reused:
 Run as a script (`python -I -S keeper.py MARKER`); lines on stdin: `+PGID START` (watch the
 group led by PGID, whose leader started at START ticks), `=PGID PID START` (a process of that
 group) and `-PGID` (forget the group and its processes). MARKER names the runtime in `ps`.
+Stdlib only and importing nothing of the project (`-I -S`): the identity rule lives here, and the
+runtime's `procs` imports it from here.
 """
 
 from __future__ import annotations
@@ -55,8 +57,22 @@ def _stat(pid: int) -> tuple[int, int] | None:
 
 
 def start_ticks(pid: int) -> int | None:
+    """`pid`'s start time in clock ticks since boot; None if gone or a zombie."""
     st = _stat(pid)
     return None if st is None else st[1]
+
+
+def same_process(ticks: int | None, known: int | None) -> bool:
+    """The one identity rule (the runtime's `procs` applies it too): the process now at a pid is
+    the one known there when its start ticks are the same, exactly; pid and start are never
+    reused together within a boot."""
+    return ticks is not None and ticks == known
+
+
+def born_in(ticks: int, leader_ticks: int) -> bool:
+    """A member of a generation's process group started no earlier than its leader (a group id
+    is not reused while the group has members, so such a member is the generation's)."""
+    return ticks >= leader_ticks
 
 
 class Watch:
@@ -95,16 +111,16 @@ class Watch:
                     table[int(name)] = st
         ours: set[int] = set()
         for (pid, start), pgid in self.procs.items():
-            if pid in table and table[pid][1] == start:
+            if pid in table and same_process(table[pid][1], start):
                 ours.add(pid)
         for pgid, leader_start in self.groups.items():
             leader = table.get(pgid)
-            proven = (leader is not None and leader_start is not None and leader[1] == leader_start) or any(
+            proven = (leader is not None and same_process(leader[1], leader_start)) or any(
                 g == pgid and p in ours for (p, _), g in self.procs.items())
             if not proven or leader_start is None:
                 continue
             for pid, (group, start) in table.items():
-                if group == pgid and start >= leader_start:
+                if group == pgid and born_in(start, leader_start):
                     ours.add(pid)
                     self.procs[(pid, start)] = pgid
         return sorted(ours)

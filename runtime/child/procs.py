@@ -8,6 +8,10 @@ API server is reparented to it; `Reaper` collects such grandchildren, which may 
 their generation was stopped. A runtime that was killed cannot stop its vLLM; the next one finds
 the tree through the ledger (pid and process start time of each open generation) and kills it
 (`kill_recorded_tree`), after checking the start time so a reused pid is never touched.
+
+Process identity is the keeper's rule (`keeper.same_process`: pid and start time in clock ticks
+since boot, exactly): the ledger keeps the start as epoch seconds (`start_time`, what psutil's
+create_time says), read back into ticks on the same boot clock before it is compared.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import psutil
 
 from vllm_guard.core.protocol import ChildProcess, Role
 
+from .keeper import born_in, same_process, start_ticks
+
 _PR_SET_CHILD_SUBREAPER = 36
-START_TIME_TOLERANCE_S = 0.05
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def become_subreaper() -> bool:
@@ -134,10 +140,14 @@ def reap(pids: Iterable[int]) -> list[int]:
 
 
 def start_time(pid: int) -> float | None:
-    try:
-        return float(psutil.Process(pid).create_time())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
+    """`pid`'s start time as the ledger keeps it (epoch s: boot time + start ticks); None if gone."""
+    ticks = start_ticks(pid)
+    return None if ticks is None else psutil.boot_time() + ticks / CLOCK_TICKS
+
+
+def ticks_of(started: float) -> int:
+    """A recorded `start_time` back in clock ticks since boot (the keeper's identity)."""
+    return round((started - psutil.boot_time()) * CLOCK_TICKS)
 
 
 class Reaper:
@@ -168,16 +178,14 @@ def kill_recorded_tree(pid: int, started: float | None, timeout: float = 10.0) -
     group). Only when `pid` still is that process (same start time). Returns the pids killed."""
     if started is None:
         return []
-    now_started = start_time(pid)
-    if now_started is None:
+    known, now = ticks_of(started), start_ticks(pid)
+    if now is None:
         # The API server is gone (its parent-death signal), its EngineCore and workers may not
-        # be: the rest of its process group, every member started after it (a group id is not
-        # reused while the group has members, so those are its own).
-        members = {p for p in group_members(pid) if (t := start_time(p)) is not None
-                   and t >= started - START_TIME_TOLERANCE_S}
+        # be: the rest of its process group, every member started after it (`keeper.born_in`).
+        members = {p for p in group_members(pid) if (t := start_ticks(p)) is not None and born_in(t, known)}
         if not members:
             return []
-    elif abs(now_started - started) > START_TIME_TOLERANCE_S:
+    elif not same_process(now, known):
         return []  # the pid was reused by something else
     else:
         try:
