@@ -2,7 +2,8 @@
 
 Latency is measured from the actual send time and from the *scheduled* send time; the latter
 includes any wait for a concurrency slot or a late event loop, so coordinated omission cannot
-hide a stall (vLLM #54101). A chunk counts as a chunk; tokens come from the usage record.
+hide a stall (vLLM #54101). A chunk counts as a chunk; tokens come from the usage record. The
+body is read event by event with the one SSE reader (`core.sse`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from . import sse
 
 # error categories (the `error` column; NULL = success)
 CONNECT, TIMEOUT, DISCONNECT, TRUNCATED, STREAM_ERROR, RECYCLE_503 = (
@@ -37,6 +40,47 @@ class Result:
     done: bool = field(default=False, repr=False)
 
 
+@dataclass
+class _Reading:
+    """One stream's events as they complete: chunks, time to the first, gaps, usage, errors."""
+
+    res: Result
+    t_send: float
+    last: float | None = None  # when the last chunk came
+    gaps_sum: float = 0.0
+    gaps_n: int = 0
+    gaps_max: float = 0.0
+
+    def event(self, ev: sse.Event) -> None:
+        if ev.data is None:
+            return  # a comment or another field
+        if ev.done:
+            self.res.done = True
+            return
+        obj = json.loads(ev.data)
+        if "error" in obj:
+            self.res.error, self.res.detail = STREAM_ERROR, json.dumps(obj["error"])[:300]
+            return
+        if obj.get("choices"):
+            now = time.monotonic()
+            self.res.chunks += 1
+            if self.last is None:
+                self.res.ttft_s = now - self.t_send
+            else:
+                gap = now - self.last
+                self.gaps_sum, self.gaps_n = self.gaps_sum + gap, self.gaps_n + 1
+                self.gaps_max = max(self.gaps_max, gap)
+            self.last = now
+        usage = obj.get("usage")
+        if usage:
+            self.res.output_tokens = usage.get("completion_tokens")
+            self.res.prompt_tokens = usage.get("prompt_tokens")
+
+    def end(self) -> None:
+        if self.gaps_n:
+            self.res.itl_mean_s, self.res.itl_max_s = self.gaps_sum / self.gaps_n, self.gaps_max
+
+
 def _http_category(status: int, headers: Any, body: bytes) -> str:
     if status == 503 and ("Retry-After" in headers or b"vllm_guard" in body):
         return RECYCLE_503
@@ -48,8 +92,7 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
     """POST a streaming completion; returns the result and the monotonic send time."""
     res = Result()
     t_send = time.monotonic()
-    last = None
-    gaps_sum, gaps_n, gaps_max = 0.0, 0, 0.0
+    reading = _Reading(res, t_send)
     try:
         async with session.post(url + "/v1/completions", json=body, headers={"X-Request-Id": request_id},
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
@@ -61,31 +104,10 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
                 res.error, res.detail = _http_category(r.status, r.headers, text), text[:300].decode("utf-8", "replace")
                 res.e2e_s = time.monotonic() - t_send
                 return res, t_send
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    res.done = True
-                    continue
-                obj = json.loads(data)
-                if "error" in obj:
-                    res.error, res.detail = STREAM_ERROR, json.dumps(obj["error"])[:300]
-                    continue
-                if obj.get("choices"):
-                    now = time.monotonic()
-                    res.chunks += 1
-                    if last is None:
-                        res.ttft_s = now - t_send
-                    else:
-                        gap = now - last
-                        gaps_sum, gaps_n, gaps_max = gaps_sum + gap, gaps_n + 1, max(gaps_max, gap)
-                    last = now
-                usage = obj.get("usage")
-                if usage:
-                    res.output_tokens = usage.get("completion_tokens")
-                    res.prompt_tokens = usage.get("prompt_tokens")
+            split = sse.Splitter()
+            async for piece in r.content.iter_any():
+                for ev in split.feed(piece):
+                    reading.event(ev)
     except asyncio.TimeoutError as e:
         res.error, res.detail = TIMEOUT, f"no complete answer within {timeout_s}s {e}".strip()
     except aiohttp.ClientConnectorError as e:
@@ -98,6 +120,5 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
     res.e2e_s = time.monotonic() - t_send
     if res.error is None and not res.done:
         res.error, res.detail = TRUNCATED, f"stream ended without [DONE] after {res.chunks} chunks"
-    if gaps_n:
-        res.itl_mean_s, res.itl_max_s = gaps_sum / gaps_n, gaps_max
+    reading.end()
     return res, t_send

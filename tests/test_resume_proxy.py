@@ -25,7 +25,8 @@ from tokenizers.decoders import DecodeStream
 from scripted_vllm import Death, ScriptedVllm, chat_prompt
 from vllm_guard.core.config import ServerConfig
 from vllm_guard.core.vllm_api import unix_url
-from vllm_guard.runtime.frontdoor import resume, sse
+from vllm_guard.core import sse
+from vllm_guard.runtime.frontdoor import resume
 from vllm_guard.runtime.frontdoor.detok import Coverage, facts_of
 from vllm_guard.runtime.frontdoor.proxy import Proxy, Target
 

@@ -47,11 +47,11 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from vllm_guard.core import vllm_api
+from vllm_guard.core import sse, vllm_api
 from vllm_guard.core.config import ServerConfig
 from vllm_guard.core.protocol import FailReason, LatencySummary, RejectReason
 
-from . import detok, resume, routes, sse
+from . import detok, resume, routes
 from .admission import Admission, Limits, Pass, Refusal
 from .conncap import Gate, connection_cap
 from .done import USAGE_TAIL, Cause, Counters, Listener, Outcome, RequestDone, usage_of

@@ -19,7 +19,8 @@ from typing import Any, Union
 
 import msgspec
 
-from . import sse
+from vllm_guard.core import sse
+
 from .detok import Coverage
 from .resume import CHAT, COMPLETIONS, Plan, dumps, engine_dead
 

@@ -1,13 +1,15 @@
-"""An incremental server-sent-events splitter: bytes as they come off a socket, events out.
+"""Server-sent events, read and written in one place: bytes as they come off a socket, events out.
 
-The proxy reads a backend's body in whatever pieces the socket gives (a piece may hold half an
-event, or several). A stream the proxy may have to resume is read event by event: each event is
-whole before it is looked at, rewritten or sent on, so the client never gets half of one and the
-proxy knows exactly which events reached it. Pass-through streams never come here.
+A socket gives a body in whatever pieces it likes (a piece may hold half an event, or several).
+The splitter hands out only whole events, so a reader never looks at half of one: the proxy
+follows a stream it may have to resume event by event (and knows exactly which events reached
+its client), and the clients that time streams (the soak, the demo, the benchmarks) count each
+event once, when it is complete.
 
 vLLM writes one `data: <json>` line per event and a blank line after it; the splitter also
 takes CRLF line ends and several `data:` lines per event (joined with newlines, as the SSE
-specification says), and ignores comments and other fields.
+specification says), and ignores comments and other fields. An event still incomplete when the
+body ends is not an event (the specification drops it too): `pending` shows it.
 """
 
 from __future__ import annotations
