@@ -85,6 +85,10 @@ class Counters:
     connections_lost: int = 0  # requests whose client connection went away mid-request, counted or not
     max_queued: int = 0  # high-water mark, reset by the supervisor at each recycle
 
+    def client_lost(self) -> None:
+        """A request's client connection went away (counted once per request)."""
+        self.connections_lost += 1
+
     def add(self, r: RequestDone) -> None:
         """Count one ended request (the proxy calls this once per request)."""
         if r.cause in FRONT_DOOR:

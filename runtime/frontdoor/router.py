@@ -17,14 +17,16 @@ decision about which target takes a request lives here:
   successor starts beside it, or while its recycle waits for another replica, the limit is soft
   and nothing queues because of it.
 
-`choose` is a pure function of the routes and `now`; the rest is bookkeeping.
+A request that moves after a generation failed it carries a `Move`: the generations it never goes
+back to and the one it avoids for a while (`policy.decide` says which). `choose` is a pure
+function of the routes and `now`; the rest is bookkeeping.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
 
 from .target import Target, counts_toward_limit
@@ -54,6 +56,22 @@ class Route:
 
     def avoid(self, until: float) -> None:
         self.avoid_until = until
+
+
+@dataclass(eq=False)
+class Move:
+    """Where a request whose backend failed may go next (what `policy.decide` said of each
+    generation that failed it)."""
+
+    exclude: set[Target] = field(default_factory=set)  # never again for this request
+    avoid: Target | None = None  # the last one that failed it otherwise: not before avoid_until
+    avoid_until: float = 0.0
+
+    def failed_at(self, target: Target, never_again: bool, until: float) -> None:
+        if never_again:
+            self.exclude.add(target)
+        else:
+            self.avoid, self.avoid_until = target, until
 
 
 def choose(routes: Sequence[Route], now: float) -> Route | None:
@@ -125,6 +143,10 @@ class Router:
         """Whether `pick` with these would find a target now (nothing changes)."""
         now = time.monotonic()
         return choose(self._open_to(avoid, avoid_until, exclude, now), now) is not None
+
+    def could_move(self, move: Move) -> bool:
+        """Whether a request moving with `move` would find a target now."""
+        return self.could_pick(move.avoid, move.avoid_until, move.exclude)
 
     def pick(self, counted: bool, arrived: float, avoid: Target | None = None,
              avoid_until: float = 0.0, exclude: Collection[Target] = ()) -> tuple[Target, bool] | None:

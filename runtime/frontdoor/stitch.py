@@ -25,10 +25,6 @@ from .detok import Coverage
 from .resume import CHAT, COMPLETIONS, Plan, dumps, engine_dead
 
 
-class NotResumable(Exception):
-    """The stream can no longer be resumed (the reason is the message)."""
-
-
 class _Delta(msgspec.Struct):
     content: Union[str, None] = None
 
@@ -359,14 +355,16 @@ class Stream:
             self.coverage = Coverage(self.tokenizer, self.prompt_ids.tolist(), self.plan.skip_special_tokens)
             if self.coverage.feed(self.gen.tolist()) != "".join(self.texts):
                 self.why_not = "the guard's tokenizer does not give vLLM's text"
+        if not self.why_not and self.coverage is not None and self.ids_sent > self.base + self.coverage.covered:
+            self.why_not = "token ids beyond the text were already sent"  # never: _ids_out sends only covered ids
         return self.why_not
 
     def seam(self) -> None:
-        """The backend died: drop the ids whose text never came, follow a continuation next."""
+        """The backend died and `resumable()` said it can go on: drop the ids whose text never
+        came, follow a continuation next."""
         assert self.coverage is not None and self.prompt_ids is not None
         keep = self.base + self.coverage.covered
-        if self.ids_sent > keep:  # never: _ids_out sends only covered ids before the end
-            raise NotResumable("token ids beyond the text were already sent")
+        assert self.ids_sent <= keep, "seam() without resumable()"
         del self.gen[keep:]
         self.base = keep
         self.coverage = Coverage(self.tokenizer, (self.prompt_ids + self.gen).tolist(), self.plan.skip_special_tokens)
@@ -414,8 +412,3 @@ class Stream:
             self.done = True
         return out
 
-
-def error_event(message: str) -> bytes:
-    """The one error a client gets when its stream cannot go on (OpenAI's shape)."""
-    return sse.event(dumps({"error": {"message": message, "type": "vllm_guard_backend_failure", "param": None,
-                                      "code": 502}}))

@@ -15,6 +15,9 @@ import aiohttp
 from vllm_guard.core import vllm_api
 
 
+CONNECT_TIMEOUT_S = 10.0  # a generation that does not accept a connection in this long failed the try
+
+
 def limit_reached(requests: int, limit: int | None) -> bool:
     return limit is not None and requests >= limit
 
@@ -55,7 +58,7 @@ class Target:
                                             else aiohttp.TCPConnector(limit=0, force_close=False))
         self.base = "http://localhost" if sock else self.url
         self.session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=request_timeout, connect=10),
+            connector=connector, timeout=aiohttp.ClientTimeout(total=request_timeout, connect=CONNECT_TIMEOUT_S),
             auto_decompress=False,
         )
 
