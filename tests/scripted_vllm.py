@@ -49,7 +49,8 @@ class Death:
     """Where the backend dies. `after`: generated ids (counted from the original prompt) after
     which it dies; `how`: drop (the connection closes), error (vLLM's engine-dead event, then
     [DONE]), eof (the body ends without [DONE]), finish (after the finish chunk, before usage and
-    [DONE]). after=0 with drop or error: it dies before answering (a 500 for error)."""
+    [DONE]), stall (it hangs, the connection open). after=0 with drop or error: it dies before
+    answering (a 500 for error)."""
 
     after: int
     how: str = "drop"
@@ -254,6 +255,8 @@ class ScriptedVllm:
             await resp.write_eof()
         elif d.how == "eof":
             await resp.write_eof()
+        elif d.how == "stall":
+            await asyncio.sleep(3600)  # a hung engine: nothing more comes until the proxy leaves
         else:  # drop, finish: the connection goes
             assert request.transport is not None
             request.transport.close()

@@ -452,6 +452,46 @@ def test_a_moving_request_goes_before_requests_that_arrived_while_it_waited(tmp_
     run(tmp_path, tiny_model, tok, [Death(10, "drop"), None], scenario)
 
 
+
+def test_a_moving_stream_no_generation_takes_ends_with_one_error(tmp_path: Path, tiny_model: str,
+                                                                  tok: Tokenizer) -> None:
+    """Its backend died and nothing replaces it within the queue's wait: the client, already
+    reading, gets one error event and [DONE], not a hang (policy: no target while sent)."""
+    body = request(False)
+
+    async def scenario(rig: Rig) -> None:
+        rig.on_error = lambda t: rig.errors.append(t.generation)  # type: ignore[method-assign]  # no replacement
+        got = await rig.ask(body, False)
+        assert got.status == 200 and got.dones == 1 and len(got.errors) == 1, got.raw[-400:]
+        assert "could not be resumed" in got.errors[0]["message"], got.errors
+        assert got.text  # what came before the death stays
+        p = rig.proxy.counters
+        assert (p.failed_requests, p.unresumable, p.resumed, p.completed) == (1, 1, 1, 0)
+        assert rig.errors == [1] and rig.proxy.queued == 0 and rig.proxy.in_flight == 0
+
+    run(tmp_path, tiny_model, tok, [Death(CLEAN, "drop")], scenario, queue_max_wait=1)
+
+
+def test_a_stream_past_the_per_try_timeout_ends_there_and_does_not_move(tmp_path: Path, tiny_model: str,
+                                                                        tok: Tokenizer) -> None:
+    """The policy's per-try timeout ([server] request_timeout) is the proxy's, whatever the
+    target's session says (the rig opens it with 60 s): a hung stream ends with one error event
+    after 1 s, the generation is not blamed and the next one never sees it."""
+    body = request(False)
+
+    async def scenario(rig: Rig) -> None:
+        t0 = asyncio.get_running_loop().time()
+        got = await rig.ask(body, False)
+        took = asyncio.get_running_loop().time() - t0
+        assert got.status == 200 and got.dones == 1 and len(got.errors) == 1, got.raw[-400:]
+        assert "request_timeout" in got.errors[0]["message"], got.errors
+        assert 0.9 <= took < 10, took
+        p = rig.proxy.counters
+        assert (p.failed_requests, p.unresumable, p.resumed, p.resumes) == (1, 0, 0, 0)
+        assert rig.errors == [] and len(rig.gens[1].seen) == 0
+
+    run(tmp_path, tiny_model, tok, [Death(CLEAN, "stall"), None], scenario, request_timeout=1)
+
 # -- the pure parts ------------------------------------------------------------------------------
 def test_the_splitter_gives_whole_events_whatever_the_pieces() -> None:
     raw = (b'data: {"a":1}\n\n: comment\n\ndata: {"b":\ndata: 2}\r\n\r\ndata: [DONE]\n\n')
