@@ -31,10 +31,10 @@ def test_two_overlap_recycles_with_no_gap_pass() -> None:
 
 
 def test_a_gap_a_cold_recycle_a_failure_or_a_missing_recycle_fails() -> None:
-    ok, line = verdict(0, status(recycle("max_requests", 1, 12.5, "gated"), recycle("forced", 2, 0.0, "cold")))
+    ok, line = verdict(0, status(recycle("max_requests", 1, 12.5, "gated"), recycle("forced", 2, 31.0, "cold")))
     assert not ok
     assert "the max_requests recycle of generation 1 (gated) left 12.5 s without a serving generation" in line
-    assert "the forced recycle of generation 2 (cold)" in line
+    assert "the forced recycle of generation 2 (cold) left 31.0 s" in line
     assert verdict(1, status(recycle("a", 1, 0.0), recycle("b", 2, 0.0)))[1] == "demo: FAILED: 1 streams failed"
     assert verdict(0, status(recycle("a", 1, 0.0), failed=2))[1].startswith("demo: FAILED: 2 streams failed")
     ok, line = verdict(0, status(recycle("a", 1, 0.0), recycle("b", 2, None, done=False)))

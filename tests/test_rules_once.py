@@ -95,9 +95,6 @@ def test_the_same_requests_give_one_p50_and_p99_in_soak_status_and_report(tmp_pa
     assert p99["soak"] == pytest.approx(float(np.quantile(TTFT, 0.99)), rel=0.02)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="runtime/frontdoor (another branch's) still sorts its own: Proxy.ttft_summary must "
-                          "return core.latency.summary(<its recent TTFTs>); drop this mark when it does")
 def test_the_status_ttft_is_the_core_summary() -> None:
     recent = collections.deque(TTFT, maxlen=4096)
     proxy = SimpleNamespace(ttft=recent, upstream=SimpleNamespace(ttft=recent))

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import structlog
 from aiohttp import web
 
+from vllm_guard.core import latency
 from vllm_guard.core.config import ServerConfig
 from vllm_guard.core.protocol import LatencySummary, RejectReason
 
@@ -241,15 +242,8 @@ class Proxy:
         return self.queue.idle_for()
 
     def ttft_summary(self) -> LatencySummary:
-        """Edge TTFT of the recent requests (the last 4096)."""
-        if not self.upstream.ttft:
-            return LatencySummary()
-        xs = sorted(self.upstream.ttft)
-
-        def q(f: float) -> float:
-            return round(xs[min(len(xs) - 1, int(f * len(xs)))], 6)
-
-        return LatencySummary(samples=len(xs), p50_s=q(0.50), p99_s=q(0.99))
+        """Edge TTFT of the recent requests (the last 4096), by the one quantile rule."""
+        return latency.summary(self.upstream.ttft)
 
     # -- the request path --------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
