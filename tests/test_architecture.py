@@ -155,40 +155,263 @@ def test_the_cycle_check_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-# -- the replica's machine decides; nobody else branches on its state ------------------------------
+# -- the replica's machine decides; nobody else decides again ------------------------------------
 DECIDERS = {"runtime/replica/decide.py", "runtime/replica/machine.py", "runtime/replica/strategy.py"}
 MACHINE_ENUMS = {"State", "S", "Strategy"}  # the replica's own states (not the coarse RuntimeState), strategies
+MAPPINGS = {"dict", "Dict", "Mapping", "MutableMapping", "defaultdict", "OrderedDict"}
+# What `decide` keeps between two looks and nobody else reads: a recycle under way, one wanted,
+# why it waits, how the current generation ends, the last death, the backoff's count.
+MACHINE_DECISIONS = {"recycle", "wanted", "deferred", "end_reason", "last_death", "consecutive"}
+SLOTS = {"current", "successor"}  # the driver's slots: which are filled is the state, said twice
+# The carriers of decide's effects on the proxy's admission (a hold's rejections, the count limit).
+ADMISSION_CARRIERS = {"runtime/replica/driver.py"}
+# machine.py's functions that only present a state (the coarse one, the final one, the aggregate);
+# its other functions are rules, applied by `decide` alone.
+PRESENTATION = {"aggregate", "coarse", "final"}
+
+
+def _machine_functions() -> set[str]:
+    tree = ast.parse((ROOT / "runtime/replica/machine.py").read_text())
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} - PRESENTATION
+
+
+def _state_values() -> set[str]:
+    tree = ast.parse((ROOT / "runtime/replica/machine.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "State")
+    return {a.value.value for a in cls.body if isinstance(a, ast.Assign) and isinstance(a.value, ast.Constant)}
+
+
+def _annotations(tree: ast.AST) -> list[ast.expr]:
+    out: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            out += [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, *([a.vararg] if a.vararg else []),
+                                           *([a.kwarg] if a.kwarg else [])) if x.annotation is not None]
+            out += [node.returns] if node.returns is not None else []
+        elif isinstance(node, ast.AnnAssign):
+            out.append(node.annotation)
+    return out
+
+
+def _keyed_by_state(ann: ast.expr) -> bool:
+    """`dict[State, ...]` and its kin, anywhere inside an annotation."""
+    for sub in ast.walk(ann):
+        if isinstance(sub, ast.Subscript) and isinstance(sub.slice, ast.Tuple) and sub.slice.elts:
+            base = sub.value.attr if isinstance(sub.value, ast.Attribute) else getattr(sub.value, "id", "")
+            key = sub.slice.elts[0]
+            if base in MAPPINGS and isinstance(key, ast.Name) and key.id in MACHINE_ENUMS:
+                return True
+    return False
+
+
+def _none_test(node: ast.Compare) -> bool:
+    return any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops) and any(
+        isinstance(c, ast.Constant) and c.value is None for c in (node.left, *node.comparators))
+
+
+def _reads_machine(node: ast.AST) -> str | None:
+    """`<x>.machine.<field>`: the field read, or None."""
+    if isinstance(node, ast.Attribute):
+        inner = node.value
+        if (isinstance(inner, ast.Attribute) and inner.attr == "machine") or \
+                (isinstance(inner, ast.Name) and inner.id == "machine"):
+            return node.attr
+    return None
+
+
+def _slot(node: ast.AST) -> str | None:
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+    return name if name in SLOTS else None
 
 
 def _branches_on_machine(node: ast.AST) -> bool:
-    """A comparison that looks at a replica state or a recycle strategy."""
+    """A comparison that looks at a replica state or a recycle strategy (or a state's value)."""
     if not isinstance(node, ast.Compare):
         return False
-    for side in (node.left, *node.comparators):
+    sides = (node.left, *node.comparators)
+    for side in sides:
         for sub in ast.walk(side):
             if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id in MACHINE_ENUMS:
                 return True
             if isinstance(sub, ast.Attribute) and sub.attr in ("strategy", "recycle_strategy"):
                 return True
-    return False
+    states = _state_values()
+    said = [s for s in sides if isinstance(s, ast.Constant) and s.value in states]
+    looked = [s for s in sides if isinstance(s, ast.Attribute) and (
+        s.attr == "state" or (s.attr == "value" and isinstance(s.value, ast.Attribute) and s.value.attr == "state"))]
+    return bool(said and looked)
 
 
-def test_only_decide_branches_on_a_replicas_state_or_strategy() -> None:
+def second_decisions(rel: str, source: str) -> list[str]:
+    """Every place in `source` (the file `rel`) that decides what `decide` decides, in any of
+    its forms: a comparison on a replica state or strategy; the state enums named outside an
+    annotation (a member, a dict keyed by one, a loop over them); a mapping keyed by State; a
+    read of what the machine keeps for `decide` (`machine.recycle is not None`) or a None test
+    on any machine field; the state told from which slots are filled; the proxy's admission
+    set outside the driver that carries out decide's effects; machine.py's rules applied."""
+    if rel in DECIDERS:
+        return []
+    tree = ast.parse(source, rel)
+    anns = _annotations(tree)
+    in_ann = {id(sub) for a in anns for sub in ast.walk(a)}
+    rules = _machine_functions()
+    bad: list[tuple[int, str, str]] = []
+
+    def flag(node: ast.AST, why: str) -> None:
+        bad.append((getattr(node, "lineno", 0), why, ast.unparse(node)[:100]))
+
+    for a in anns:
+        if _keyed_by_state(a):
+            flag(a, "a mapping keyed by State")
+    for node in ast.walk(tree):
+        if _branches_on_machine(node) or isinstance(node, ast.Match):
+            flag(node, "branches on a state or strategy")
+        elif isinstance(node, ast.Name) and node.id in MACHINE_ENUMS and id(node) not in in_ann:
+            flag(node, "names the machine's states or strategies")
+        elif (field := _reads_machine(node)) in MACHINE_DECISIONS:
+            flag(node, f"reads the machine's {field}")
+        elif isinstance(node, ast.Compare) and _none_test(node) and any(
+                _reads_machine(s) for s in (node.left, *node.comparators)):
+            flag(node, "tests a machine field for None")
+        elif isinstance(node, ast.BoolOp):
+            tested = {s for c in node.values if isinstance(c, ast.Compare) and _none_test(c)
+                      for s in map(_slot, (c.left, *c.comparators)) if s is not None}
+            if tested == SLOTS:
+                flag(node, "tells the state from which slots are filled")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in rules:
+            flag(node, f"applies machine.{node.func.id}, a rule of decide's")
+        if rel not in ADMISSION_CARRIERS and not rel.startswith("runtime/frontdoor/"):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "set_reject":
+                flag(node, "sets the proxy's rejection itself")
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            if any(isinstance(t, ast.Attribute) and t.attr == "enforce_limit" for t in targets):
+                flag(node, "sets the proxy's count limit itself")
+    return [f"{rel}:{n}: {why}: {text}" for n, why, text in sorted(set(bad))]
+
+
+def test_only_decide_decides_what_a_replica_does() -> None:
     bad = []
     for f in sorted((ROOT / "runtime").rglob("*.py")):
         rel = str(f.relative_to(ROOT))
-        if rel in DECIDERS:
-            continue
-        for node in ast.walk(ast.parse(f.read_text(), rel)):
-            if _branches_on_machine(node) or isinstance(node, ast.Match):
-                bad.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:100]}")
+        bad += second_decisions(rel, f.read_text())
     assert not bad, "\n".join(bad)
 
 
-def test_the_branch_check_sees_one() -> None:
-    assert _branches_on_machine(ast.parse("rep.state is State.SERVING", mode="eval").body)
-    assert _branches_on_machine(ast.parse("rec.strategy == 'gated'", mode="eval").body)
-    assert not _branches_on_machine(ast.parse("st.state is RuntimeState.SERVING", mode="eval").body)
+@pytest.mark.parametrize("code, why", [
+    ("rep.state is State.SERVING", "branches on a state"),
+    ("rec.strategy == 'gated'", "branches on a state or strategy"),
+    ("_PAST: dict[State, str] = {}", "a mapping keyed by State"),
+    ("_PAST = {State.PAST_GATE: 'past_gate'}", "names the machine's states"),
+    ("phase = PHASES.get(State.PAST_GATE)", "names the machine's states"),
+    ("names = [s.value for s in State]", "names the machine's states"),
+    ("busy = [x.machine.recycle is not None for x in drivers]", "reads the machine's recycle"),
+    ("w = d.machine.wanted", "reads the machine's wanted"),
+    ("late = d.machine.deadline is None", "tests a machine field for None"),
+    ("wants = self.successor is not None and self.successor.gate is not None and self.current is None",
+     "tells the state from which slots are filled"),
+    ("why = rolling(0, states, busy)", "applies machine.rolling"),
+    ("d.state.value == 'past_gate'", "branches on a state"),
+    ("async def f(self):\n    await self.proxy.set_reject('held: x')", "sets the proxy's rejection itself"),
+    ("def f(self):\n    self.proxy.enforce_limit = False", "sets the proxy's count limit itself"),
+])
+def test_the_decision_check_sees_every_form(code: str, why: str) -> None:
+    found = second_decisions("runtime/somewhere.py", code)
+    assert found and why in found[0], found
+
+
+def test_the_decision_check_lets_readers_read() -> None:
+    code = ("st.state is RuntimeState.SERVING\n"
+            "def state(self) -> State:\n    return self.machine.state\n"
+            "rec = books.recycle_of(d.index)\n"
+            "coarse(d.state).value\n"
+            "for g in (self.current, self.successor):\n    g is not None\n")
+    assert second_decisions("runtime/somewhere.py", code) == []
+    assert second_decisions("runtime/replica/driver.py", "def f(self):\n    self.door.enforce_limit = False") == []
+
+
+# -- rules named once ------------------------------------------------------------------------------
+ONE_HOME = {"RESTARTABLE": "core/protocol.py", "RECYCLABLE": "core/protocol.py"}
+
+
+def _module_sets(f: Path) -> list[tuple[str, int, set[str]]]:
+    """(name, line, names used) of every module-level assignment."""
+    out = []
+    for node in ast.parse(f.read_text(), str(f)).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        value = getattr(node, "value", None)
+        for t in targets:
+            if isinstance(t, ast.Name) and value is not None:
+                used = {f"{s.value.id}.{s.attr}" for s in ast.walk(value)
+                        if isinstance(s, ast.Attribute) and isinstance(s.value, ast.Name)}
+                out.append((t.id, node.lineno, used))
+    return out
+
+
+def test_each_rule_has_one_home() -> None:
+    """supervisord's way: `RESTARTABLE` and `RECYCLABLE` are named once (core/protocol.py, the
+    watchdog reads them too), and every set or table of replica states once, beside the states
+    (runtime/replica/machine.py); everyone else imports them."""
+    bad = []
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            rel = str(f.relative_to(ROOT))
+            for name, line, used in _module_sets(f):
+                if name in ONE_HOME and rel != ONE_HOME[name]:
+                    bad.append(f"{rel}:{line}: {name} is defined in {ONE_HOME[name]}")
+                elif rel != "runtime/replica/machine.py" and any(u.split(".")[0] in ("State", "S") for u in used):
+                    bad.append(f"{rel}:{line}: {name} lists replica states (their home is runtime/replica/machine.py)")
+    assert not bad, "\n".join(bad)
+
+
+# -- the runtime's floors: dependencies run one way -------------------------------------------------
+# Lowest first. A floor imports only the floors below it (and the core); the runtime's top-level
+# modules (supervisor, commands, cli, ...) compose them all. The replica never imports the
+# records, the status or the servers: what its driver needs of them is a Protocol in replica/ports.
+FLOORS = ("child", "frontdoor", "replica", "records", "status", "servers")
+FLOOR_EXCEPTIONS = {
+    # the state dir's layout has one home, runtime/statedir.py, above the floors
+    ("vllm_guard.runtime.child.backend", "vllm_guard.runtime.statedir"),
+    # monitors.py is being changed elsewhere: its ledger annotation moves to replica.ports.Ledger
+    ("vllm_guard.runtime.replica.monitors", "vllm_guard.runtime.records.writer"),
+}
+
+
+def _floor(mod: str) -> int | None:
+    """The floor of a runtime module; len(FLOORS) for the top-level ones; None outside the runtime."""
+    parts = mod.split(".")
+    if parts[:2] != ["vllm_guard", "runtime"] or len(parts) < 3:
+        return None
+    return FLOORS.index(parts[2]) if parts[2] in FLOORS else len(FLOORS)
+
+
+def floor_violations() -> tuple[list[str], set[tuple[str, str]]]:
+    bad, used = [], set()
+    for me, deps in import_graph().items():
+        mine = _floor(me)
+        if mine is None:
+            continue
+        for d in deps:
+            theirs = _floor(d)
+            if theirs is None or theirs <= mine or d.split(".")[2] == me.split(".")[2]:
+                continue
+            if (me, d) in FLOOR_EXCEPTIONS:
+                used.add((me, d))
+            else:
+                bad.append(f"{me} imports {d} (a higher floor)")
+    return sorted(bad), used
+
+
+def test_the_runtimes_floors_import_only_downward() -> None:
+    bad, _ = floor_violations()
+    assert not bad, "\n".join(bad)
+
+
+def test_every_floor_exception_is_still_needed() -> None:
+    _, used = floor_violations()
+    assert used == FLOOR_EXCEPTIONS, f"no longer needed: {sorted(FLOOR_EXCEPTIONS - used)}"
 
 
 # -- nobody assigns to what is not theirs ---------------------------------------------------------
