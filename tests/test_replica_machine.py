@@ -12,7 +12,8 @@ from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.ledger import EndClass
 from vllm_guard.runtime.replica.decide import decide
 from vllm_guard.runtime.replica.machine import (
-    COARSE, FINAL, INITIAL, TRANSITIONS, IllegalTransition, Machine, Recycle, State, Wanted, aggregate, rolling,
+    COARSE, FINAL, INITIAL, RECYCLABLE_STATES, RESTARTABLE_STATES, TRANSITIONS, IllegalTransition, Machine, Recycle,
+    State, Wanted, aggregate, rolling,
 )
 from vllm_guard.runtime.replica.view import (
     Abandon, Facts, Failure, GenPhase, GenView, HoldCmd, RecycleCmd, ReleaseCmd, ReplicaView, RestartCmd, SpawnFailed,
@@ -160,6 +161,16 @@ def test_every_state_and_event_is_a_transition_or_an_asserted_refusal(state: Sta
         assert new in TRANSITIONS[state]
     if name in ("recycle", "restart", "hold", "release"):
         assert d.reply is not None and d.reply.accepted, d.reply
+
+
+@pytest.mark.parametrize("state", list(State), ids=lambda s: s.value)
+def test_decide_takes_a_restart_or_recycle_in_exactly_the_named_states(state: State) -> None:
+    """The command rule has one home (machine.RESTARTABLE_STATES, RECYCLABLE_STATES, from
+    core.protocol's sets): `decide` accepts exactly there."""
+    for name, states in (("restart", RESTARTABLE_STATES), ("recycle", RECYCLABLE_STATES)):
+        v, event = event_of(name, view_of(state))
+        d = decide(v, event, NOW)  # type: ignore[arg-type]
+        assert d.reply is not None and d.reply.accepted == (state in states), (name, d.reply)
 
 
 def test_a_crash_is_recorded_and_killed_in_every_state_with_a_serving_generation() -> None:

@@ -159,15 +159,16 @@ def test_the_watchdog_restarts_and_recycles_in_the_states_core_names(state: Runt
 
 
 def test_the_runtime_takes_a_restart_or_recycle_in_the_same_states() -> None:
-    """The runtime's command rule (runtime/replica/decide.py) over the replica's own states, seen
-    as the status reports them (`COARSE`): it restarts exactly where the watchdog sends a restart,
-    and recycles only where the watchdog may send one (a recycle already under way is refused
-    with 409, an outcome)."""
-    from vllm_guard.runtime.replica import decide
-    from vllm_guard.runtime.replica.machine import COARSE
+    """The runtime's command rule over the replica's own states (runtime/replica/machine.py,
+    derived from core's sets), seen as the status reports them (`COARSE`): it restarts exactly
+    where the watchdog sends a restart, and recycles in every coarse state where the watchdog may
+    send one (a recycle already under way is refused with 409, an outcome). Non-empty: a subset
+    test alone passes for an empty set. That `decide` takes the commands in exactly these states
+    is tests/test_replica_machine.py's."""
+    from vllm_guard.runtime.replica.machine import COARSE, RECYCLABLE_STATES, RESTARTABLE_STATES
 
-    assert decide.RESTARTABLE == RESTARTABLE
-    assert {COARSE[s] for s in decide.RECYCLABLE} <= RECYCLABLE
+    assert RESTARTABLE_STATES and {COARSE[s] for s in RESTARTABLE_STATES} == RESTARTABLE
+    assert RECYCLABLE_STATES and {COARSE[s] for s in RECYCLABLE_STATES} == RECYCLABLE
 
 
 # -- GPU selection: [server] gpus, one rule for runtime, install and watchdog ----------------------

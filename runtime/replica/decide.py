@@ -32,11 +32,13 @@ from dataclasses import replace
 
 from vllm_guard.core.errors import EXIT_BOOT_ERROR
 from vllm_guard.core.ledger import EndClass, FailureKind
-from vllm_guard.core.protocol import RuntimeState
 
 from ..child.death import same_cause
 from . import triggers
-from .machine import COARSE, Machine, Recycle, State, Wanted
+from .machine import (
+    BOOTING_STATES, RECYCLABLE_STATES, RECYCLING_STATES, RESTARTABLE_STATES, SERVING_STATES, Machine, Recycle,
+    State, Wanted,
+)
 from .strategy import AUTO, MemoryFit, Strategy, choose, gated_fits
 from .view import (
     Abandon, Decision, Drain, Effect, Event, Extend, ExitAll, Failure, Finish, GenPhase, GenView, GiveUp, GoLive,
@@ -51,12 +53,6 @@ EXTEND_EVERY_S = 10.0
 URGENCY_SHARE = 0.5  # a memory-triggered recycle gives its successor this share of the time left
 STANDBY_TRIES = 3  # standbys in a row that die or cannot park before the replica stops keeping one
 READING_WAIT_S = 30.0  # longest a planned recycle waits for a new generation's first memory reading
-
-SERVING_STATES = frozenset({S.SERVING, S.STANDBY, S.WAITING_TURN, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY})
-RECYCLABLE = frozenset({S.SERVING, S.STANDBY})
-BOOTING_STATES = frozenset({S.STARTING, S.PAST_GATE})
-# The runtime states in which a hard restart applies (the watchdog asks the same question).
-RESTARTABLE = frozenset({RuntimeState.SERVING, RuntimeState.STARTING, RuntimeState.DRAINING})
 
 
 class _Out:
@@ -761,7 +757,7 @@ def _recycle_cmd(v: ReplicaView, cmd: RecycleCmd, now: float, out: _Out) -> None
     where = f"replica {f.index}: " if f.replicas > 1 else ""
     if f.hold is not None:
         out.add(Reply(False, f"held ({f.hold}): planned recycles wait for release"))
-    elif f.stopping or v.machine.state not in RECYCLABLE or cur is None:
+    elif f.stopping or v.machine.state not in RECYCLABLE_STATES or cur is None:
         out.add(Reply(False, _why_not(v)))
     elif (why := _wait_why(v, now, cmd.strategy)) is not None:
         _begin_or_wait(v, now, out, cmd.reason, cmd.cls, cmd.strategy)
@@ -779,7 +775,7 @@ def _recycle_cmd(v: ReplicaView, cmd: RecycleCmd, now: float, out: _Out) -> None
 
 def _restart_cmd(v: ReplicaView, cmd: RestartCmd, now: float, out: _Out) -> None:
     cur = v.current
-    if v.facts.stopping or cur is None or COARSE[v.machine.state] not in RESTARTABLE:
+    if v.facts.stopping or cur is None or v.machine.state not in RESTARTABLE_STATES:
         out.add(Reply(False, _why_not(v)))
         return
     _fail(v, now, out, FailureKind.RESTART.value, cur.exit_code, cmd.reason, cmd.cls)
@@ -791,7 +787,7 @@ def _hold_cmd(v: ReplicaView, now: float, out: _Out) -> None:
     (the serving one keeps serving), a recycle waiting for its turn is dropped, a replica backing
     off stays down; a stop under way ends in HELD (`_after_stop`)."""
     st = v.machine.state
-    if st in (S.STANDBY, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY, S.WAITING_TURN):
+    if st in RECYCLING_STATES or st is S.STANDBY:
         if v.successor is not None:
             out.add(Abandon(f"held ({v.facts.hold})"))
         if st is S.UNREADY:
@@ -850,4 +846,4 @@ def _n(g: GenView | None) -> str:
     return str(g.number) if g is not None else "-"
 
 
-__all__ = ["KILL_WAIT_S", "RESTARTABLE", "decide"]
+__all__ = ["KILL_WAIT_S", "decide"]

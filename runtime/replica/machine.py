@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from vllm_guard.core.ledger import EndClass
-from vllm_guard.core.protocol import RuntimeState
+from vllm_guard.core.protocol import RECYCLABLE, RESTARTABLE, RuntimeState
 
 from ..child.death import Death
 
@@ -87,6 +87,16 @@ COARSE: dict[State, RuntimeState] = {
     S.STOPPING: RuntimeState.STOPPING, S.OPENING_GATE: RuntimeState.STOPPING, S.FAILING: RuntimeState.STOPPING,
     S.BACKOFF: RuntimeState.BACKOFF, S.HELD: RuntimeState.HELD, S.EXITING: RuntimeState.EXITING,
 }
+
+# Sets of states, named once beside them (supervisord's STOPPED_STATES): every check imports them.
+BOOTING_STATES = frozenset({S.STARTING, S.PAST_GATE})  # `current` boots; it has served nothing yet
+SERVING_STATES = frozenset(s for s in State if COARSE[s] is RuntimeState.SERVING)  # `current` serves
+# serving, with a recycle under way beside it or waiting for its turn
+RECYCLING_STATES = frozenset({S.WAITING_TURN, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY})
+# The command rule (`core.protocol`, which the watchdog reads too) over the replica's own states:
+# a restart where the coarse state takes one; a recycle where it takes one and none is under way.
+RESTARTABLE_STATES = frozenset(s for s in State if COARSE[s] in RESTARTABLE)
+RECYCLABLE_STATES = frozenset(s for s in State if COARSE[s] in RECYCLABLE) - RECYCLING_STATES
 
 
 class IllegalTransition(RuntimeError):
