@@ -331,6 +331,14 @@ def test_the_decision_check_lets_readers_read() -> None:
     assert second_decisions("runtime/replica/driver.py", "def f(self):\n    self.door.enforce_limit = False") == []
 
 
+def test_the_deciders_and_the_driver_hold_no_assert() -> None:
+    """`python -O` drops asserts: a precondition of `decide` is a narrowing that raises
+    (`decide.ViewMismatch`) or a type that guarantees it."""
+    bad = [f"{rel}:{n.lineno}: {ast.unparse(n)[:80]}" for rel in sorted(DECIDERS | ADMISSION_CARRIERS)
+           for n in ast.walk(ast.parse((ROOT / rel).read_text())) if isinstance(n, ast.Assert)]
+    assert not bad, "\n".join(bad)
+
+
 # -- rules named once ------------------------------------------------------------------------------
 ONE_HOME = {"RESTARTABLE": "core/protocol.py", "RECYCLABLE": "core/protocol.py"}
 

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.ledger import EndClass
-from vllm_guard.runtime.replica.decide import decide
+from vllm_guard.runtime.replica.decide import ViewMismatch, decide
 from vllm_guard.runtime.replica.machine import (
     COARSE, FINAL, INITIAL, RECYCLABLE_STATES, RESTARTABLE_STATES, TRANSITIONS, IllegalTransition, Machine, Recycle,
     State, Wanted, aggregate, rolling,
@@ -188,6 +188,17 @@ def test_the_first_look_starts_or_holds() -> None:
     assert decide(fresh, Tick(), NOW).machine.state is S.STARTING
     assert decide(replace(fresh, facts=facts(hold="x")), Tick(), NOW).machine.state is S.HELD
     assert decide(replace(fresh, facts=facts(stopping=True)), Tick(), NOW).machine.state is S.EXITING
+
+
+def test_a_view_the_state_rules_out_raises_a_mismatch_not_an_assertion() -> None:
+    """Preconditions survive `python -O`: a replica waiting its turn with no recycle wanted, one
+    that serves with no current generation, raise ViewMismatch."""
+    waiting = view_of(S.WAITING_TURN)
+    with pytest.raises(ViewMismatch, match="no recycle wanted"):
+        decide(replace(waiting, machine=replace(waiting.machine, wanted=None)), Tick(), NOW)
+    unready = view_of(S.UNREADY)
+    with pytest.raises(ViewMismatch, match="no current generation"):
+        decide(replace(unready, current=None, machine=replace(unready.machine, deadline=NOW - 1)), Tick(), NOW)
 
 
 def test_transitions_outside_the_table_raise() -> None:

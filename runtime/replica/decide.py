@@ -29,6 +29,7 @@ Rules kept here, and only here:
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TypeVar
 
 from vllm_guard.core.errors import EXIT_BOOT_ERROR
 from vllm_guard.core.ledger import EndClass, FailureKind
@@ -53,6 +54,19 @@ EXTEND_EVERY_S = 10.0
 URGENCY_SHARE = 0.5  # a memory-triggered recycle gives its successor this share of the time left
 STANDBY_TRIES = 3  # standbys in a row that die or cannot park before the replica stops keeping one
 READING_WAIT_S = 30.0  # longest a planned recycle waits for a new generation's first memory reading
+T = TypeVar("T")
+
+
+class ViewMismatch(RuntimeError):
+    """A view the machine's state rules out (a bug in `decide` or its driver, not an input): a
+    state that serves with no current generation, a replica waiting its turn with no recycle."""
+
+
+def _need(x: T | None, what: str) -> T:
+    """`x`, which the state guarantees; ViewMismatch (never skipped, unlike `assert` under -O)."""
+    if x is None:
+        raise ViewMismatch(what)
+    return x
 
 
 class _Out:
@@ -138,7 +152,7 @@ def _booting(v: ReplicaView, now: float, out: _Out) -> None:
         return
     if cur.ready_at is not None:
         rec = v.machine.recycle
-        out.add(GoLive(past_limit=cfg.server.recycle_strategy != Strategy.COLD.value))
+        out.add(GoLive(cur.number, past_limit=cfg.server.recycle_strategy != Strategy.COLD.value))
         if not cur.gated:  # a gated start waited at its gate: its length says nothing of starving
             out.add(LearnStart(beside=cur.beside, seconds=round(cur.ready_at - cur.spawned_at, 1)))
         if rec is not None:
@@ -148,16 +162,13 @@ def _booting(v: ReplicaView, now: float, out: _Out) -> None:
     elif cur.exit_code is not None:
         _failed(v, now, out, *_start_failure(out, cur, f"exited with {cur.exit_code} while loading"))
     elif v.machine.overdue(now):
-        _fail(v, now, out, FailureKind.START_TIMEOUT.value, None,
+        _fail(v, now, out, cur, FailureKind.START_TIMEOUT.value, None,
               f"not ready after {cfg.server.startup_timeout:.0f}s")
     elif not v.facts.ready_sent and now - v.facts.extend_sent_at >= EXTEND_EVERY_S:
         out.add(Extend())  # the first model load may outlast TimeoutStartSec
 
 
-def _current_failed(v: ReplicaView) -> tuple[str, int | None, str] | None:
-    cur = v.current
-    if cur is None:
-        return None
+def _current_failed(cur: GenView) -> tuple[str, int | None, str] | None:
     if cur.exit_code is not None:
         return FailureKind.CRASH.value, cur.exit_code, f"backend exited with {cur.exit_code}"
     if cur.engine_dead is not None:
@@ -168,9 +179,9 @@ def _current_failed(v: ReplicaView) -> tuple[str, int | None, str] | None:
 
 
 def _serving(v: ReplicaView, now: float, out: _Out) -> None:
-    failed = _current_failed(v)
-    if failed is not None:
-        _fail(v, now, out, *failed)
+    cur = v.current
+    if cur is not None and (failed := _current_failed(cur)) is not None:
+        _fail(v, now, out, cur, *failed)
         return
     st = v.machine.state
     if st is S.SERVING:
@@ -213,13 +224,11 @@ def _standby(v: ReplicaView, now: float, out: _Out) -> None:
     if nxt is None:
         out.to(S.SERVING, now)
         return
-    lost = None
-    if nxt.exit_code is not None:
-        lost = f"exited with {nxt.exit_code} before it was needed"
-    elif nxt.gate == "skipped":
+    lost = _exited(nxt, "before it was needed")
+    if lost is None and nxt.gate == "skipped":
         out.add(LearnGate(nxt.gate_reason))
         lost = f"cannot park at the gate: {nxt.gate_reason}"
-    elif nxt.gate is None and now - nxt.spawned_at > f.cfg.server.gate_timeout:
+    elif lost is None and nxt.gate is None and now - nxt.spawned_at > f.cfg.server.gate_timeout:
         lost = f"did not reach its startup gate within {f.cfg.server.gate_timeout:.0f}s"
     if lost is not None:
         out.add(Abandon(f"standby {lost}"), LearnStandby(failed=True),
@@ -244,8 +253,7 @@ def _trigger(v: ReplicaView, now: float) -> triggers.Trigger | None:
 
 
 def _waiting_turn(v: ReplicaView, now: float, out: _Out) -> None:
-    wanted = v.machine.wanted
-    assert wanted is not None
+    wanted = _need(v.machine.wanted, "a replica waits for its turn with no recycle wanted")
     t = _trigger(v, now)
     if t is not None and t.cls is EndClass.PREVENTIVE and wanted.cls is not EndClass.PREVENTIVE:
         wanted = Wanted(t.reason, t.cls, wanted.strategy)  # a leak caught while waiting is what it is
@@ -290,16 +298,16 @@ def _overlap_starting(v: ReplicaView, now: float, out: _Out) -> None:
     if nxt is None:
         return
     if nxt.ready_at is not None:
-        _switch(v, now, out)
-    elif nxt.exit_code is not None:
-        _successor_failed(v, now, out, *_start_failure(
-            out, nxt, f"exited with {nxt.exit_code} while starting beside generation {_n(v.current)}"))
+        _switch(v, now, out, nxt, nxt.ready_at)
+    elif _successor_lost(v, out, nxt, f"while starting beside generation {_n(v.current)}"):
+        _unready_or_drain(v, now, out, urgent=False)
     elif now - _since(v, nxt) > cfg.server.startup_timeout:
-        _successor_failed(v, now, out, Failure(
+        _successor_failed(v, out, Failure(
             nxt.number, FailureKind.START_TIMEOUT.value, None,
             f"not ready after {cfg.server.startup_timeout:.0f}s while starting beside generation {_n(v.current)}"))
+        _unready_or_drain(v, now, out, urgent=False)
     elif (why := _late(v, now)) is not None:
-        _handover(v, now, out, why)
+        _handover(v, now, out, nxt, why)
 
 
 def _gated_parking(v: ReplicaView, now: float, out: _Out) -> None:
@@ -310,30 +318,22 @@ def _gated_parking(v: ReplicaView, now: float, out: _Out) -> None:
         out.add(log("generation_parked", generation=nxt.number, replica=v.facts.index,
                     parked_after_s=round(now - nxt.spawned_at, 1)))
         _unready_or_drain(v, now, out, urgent=False)
-    elif nxt.gate == "skipped":
-        out.add(LearnGate(nxt.gate_reason),
-                log("gate_unavailable", "warning", generation=nxt.number, replica=v.facts.index,
-                    reason=nxt.gate_reason))
-        _fallback_cold(v, now, out, f"gated pre-start unavailable: {nxt.gate_reason}")
-    elif nxt.exit_code is not None:
-        _successor_failed(v, now, out, *_start_failure(
-            out, nxt, f"exited with {nxt.exit_code} before reaching its startup gate"
-            + (f" ({nxt.gate}: {nxt.gate_reason})" if nxt.gate else "")))
+    elif _successor_lost(v, out, nxt, "before reaching its startup gate"):
+        _unready_or_drain(v, now, out, urgent=False)
     elif now - _since(v, nxt) > cfg.server.gate_timeout:
-        _successor_failed(v, now, out, Failure(
-            nxt.number, FailureKind.START_FAILED.value, None,
-            f"did not reach its startup gate within {cfg.server.gate_timeout:.0f}s"))
+        _successor_failed(v, out, _never_parked(v, nxt))
+        _unready_or_drain(v, now, out, urgent=False)
     elif (why := _late(v, now)) is not None:
-        _handover(v, now, out, why)
+        _handover(v, now, out, nxt, why)
 
 
 def _unready(v: ReplicaView, now: float, out: _Out) -> None:
     nxt = v.successor
     if nxt is not None and _past_gate(nxt) and nxt.ready_at is not None:
         out.add(Leaving(False))
-        _switch(v, now, out)  # a late overlap successor made it before the old one stopped
+        _switch(v, now, out, nxt, nxt.ready_at)  # a late overlap successor made it before the old one stopped
         return
-    if nxt is not None and _successor_lost(v, now, out):
+    if nxt is not None and _successor_lost(v, out, nxt, _waiting(nxt)):
         return
     if v.machine.overdue(now):
         _drain_current(v, now, out)
@@ -345,12 +345,12 @@ def _draining(v: ReplicaView, now: float, out: _Out) -> None:
         return
     nxt = v.successor
     if nxt is not None and _past_gate(nxt) and nxt.ready_at is not None and not v.facts.stopping:
-        _switch(v, now, out)  # a late overlap successor made it: it serves, the old one drains behind it
+        _switch(v, now, out, nxt, nxt.ready_at)  # a late overlap successor made it: it serves, the old one drains behind it
         return
-    if nxt is not None and _successor_lost(v, now, out):
+    if nxt is not None and _successor_lost(v, out, nxt, _waiting(nxt)):
         return
     if cur.died:
-        _fail(v, now, out, FailureKind.CRASH.value, cur.exit_code, "backend died while draining")
+        _fail(v, now, out, cur, FailureKind.CRASH.value, cur.exit_code, "backend died while draining")
     elif cur.in_flight == 0 or now > (cur.deadline or now):
         if cur.in_flight:
             out.add(log("drain_timeout", "warning", generation=cur.number, replica=v.facts.index,
@@ -362,8 +362,8 @@ def _draining(v: ReplicaView, now: float, out: _Out) -> None:
 
 
 def _stopping(v: ReplicaView, now: float, out: _Out) -> None:
-    cur = v.current
-    if v.successor is not None and _successor_lost(v, now, out):
+    cur, nxt = v.current, v.successor
+    if nxt is not None and _successor_lost(v, out, nxt, _waiting(nxt)):
         return
     if cur is None or _ladder_step(v, cur, now, out):
         if v.machine.recycle is not None:
@@ -374,11 +374,9 @@ def _stopping(v: ReplicaView, now: float, out: _Out) -> None:
 def _after_stop(v: ReplicaView, now: float, out: _Out) -> None:
     """`current` is gone after a planned stop: what next."""
     f, nxt = v.facts, v.successor
-    if f.stopping or f.hold is not None:
-        if nxt is not None:
-            out.add(Abandon("the runtime is shutting down" if f.stopping else f"held ({f.hold})"))
-        out.to(S.EXITING if f.stopping else S.HELD, now, recycle=None)
-    elif nxt is not None and not _past_gate(nxt):
+    if _stopped_or_held(v, now, out):
+        return
+    if nxt is not None and not _past_gate(nxt):
         out.to(S.OPENING_GATE, now, _gate_span(v))
     elif nxt is not None:
         out.add(Promote())  # a late overlap successor: it goes on starting as the replica's own
@@ -390,26 +388,9 @@ def _after_stop(v: ReplicaView, now: float, out: _Out) -> None:
 
 def _opening_gate(v: ReplicaView, now: float, out: _Out) -> None:
     f, nxt = v.facts, v.successor
-    if f.stopping or f.hold is not None or nxt is None:
-        if nxt is not None:
-            out.add(Abandon("the runtime is shutting down" if f.stopping else f"held ({f.hold})"))
-        if f.stopping or f.hold is not None:
-            out.to(S.EXITING if f.stopping else S.HELD, now, recycle=None)
-        else:
-            _start_cold(v, now, out, Strategy.COLD.value)
+    if _stopped_or_held(v, now, out):
         return
-    if nxt.exit_code is not None:
-        failure, repeated = _start_failure(out, nxt, f"exited with {nxt.exit_code} while parked at its startup gate"
-                                           + (f" ({nxt.gate}: {nxt.gate_reason})"
-                                              if nxt.gate not in (None, "parked") else ""))
-        _add_failure(out, failure)
-        out.add(Abandon(f"generation {nxt.number} exited at its gate"))
-        _note_fallback(v, out, f"generation {nxt.number} exited at its startup gate")
-        _check_limit(v, out, repeated=repeated)
-        _start_cold(v, now, out, Strategy.COLD.value)
-    elif nxt.gate == "skipped":
-        out.add(LearnGate(nxt.gate_reason), Abandon(f"gated pre-start unavailable: {nxt.gate_reason}"))
-        _note_fallback(v, out, f"gated pre-start unavailable: {nxt.gate_reason}")
+    if nxt is None or _successor_lost(v, out, nxt, _waiting(nxt)):
         _start_cold(v, now, out, Strategy.COLD.value)
     elif _past_gate(nxt):  # its gate was opened before it parked there: it is starting
         out.add(Promote())
@@ -425,11 +406,7 @@ def _opening_gate(v: ReplicaView, now: float, out: _Out) -> None:
                                           after_stop_s=round(waited, 2)), Promote())
         out.to(S.PAST_GATE, now, f.cfg.server.startup_timeout)
     elif now - nxt.spawned_at > f.cfg.server.gate_timeout:
-        _add_failure(out, Failure(nxt.number, FailureKind.START_FAILED.value, None,
-                                  f"did not reach its startup gate within {f.cfg.server.gate_timeout:.0f}s"))
-        out.add(Abandon(f"generation {nxt.number} never reached its gate"))
-        _note_fallback(v, out, f"generation {nxt.number} never reached its startup gate")
-        _check_limit(v, out)
+        _successor_failed(v, out, _never_parked(v, nxt))
         _start_cold(v, now, out, Strategy.COLD.value)
 
 
@@ -438,11 +415,9 @@ def _failing(v: ReplicaView, now: float, out: _Out) -> None:
     if cur is not None and not _ladder_step(v, cur, now, out):
         return
     f, nxt = v.facts, v.successor
-    if f.stopping or f.hold is not None:
-        if nxt is not None:
-            out.add(Abandon("the runtime is shutting down" if f.stopping else f"held ({f.hold})"))
-        out.to(S.EXITING if f.stopping else S.HELD, now)
-    elif nxt is not None and not _past_gate(nxt):
+    if _stopped_or_held(v, now, out):
+        return
+    if nxt is not None and not _past_gate(nxt):
         out.to(S.OPENING_GATE, now, _gate_span(v))  # a parked successor (a standby): open its gate
     elif nxt is not None:
         out.add(Promote())
@@ -531,8 +506,7 @@ def _successor_deadline(v: ReplicaView, reason: str, now: float) -> float | None
 
 
 def _begin(v: ReplicaView, now: float, out: _Out, reason: str, cls: EndClass, strategy: str | None) -> None:
-    cur, f = v.current, v.facts
-    assert cur is not None
+    cur, f = _need(v.current, "a recycle begins with no current generation"), v.facts
     fit = cur.fit if cur.fit is not None else MemoryFit(host_available_mb=0.0, host_footprint_mb=None,
                                                         gate_unavailable=f.gate_unavailable)
     if f.gate_unavailable and fit.gate_unavailable != f.gate_unavailable:
@@ -588,8 +562,7 @@ def _unready_or_drain(v: ReplicaView, now: float, out: _Out, urgent: bool) -> No
 
 
 def _drain_current(v: ReplicaView, now: float, out: _Out) -> None:
-    cur, s = v.current, v.facts.cfg.server
-    assert cur is not None
+    cur, s = _need(v.current, "a drain with no current generation"), v.facts.cfg.server
     reason, cls = out.m.end_reason
     rec = out.m.recycle
     if rec is not None and rec.closed_at is None:
@@ -598,13 +571,13 @@ def _drain_current(v: ReplicaView, now: float, out: _Out) -> None:
     out.to(S.DRAINING, now, s.drain_timeout)
 
 
-def _switch(v: ReplicaView, now: float, out: _Out) -> None:
-    """The successor is ready: it takes new requests, then the old one drains behind it."""
-    old, nxt, rec, s = v.current, v.successor, out.m.recycle, v.facts.cfg.server
-    assert old is not None and nxt is not None and nxt.ready_at is not None
+def _switch(v: ReplicaView, now: float, out: _Out, nxt: GenView, ready_at: float) -> None:
+    """The successor `nxt` is ready (at `ready_at`): it takes new requests, then the old one
+    drains behind it."""
+    old, rec, s = _need(v.current, "a switch with no current generation"), out.m.recycle, v.facts.cfg.server
     reason, cls = out.m.end_reason
-    out.add(Promote(), GoLive(past_limit=s.recycle_strategy != Strategy.COLD.value),
-            LearnStart(beside=True, seconds=round(nxt.ready_at - nxt.spawned_at, 1)))
+    out.add(Promote(), GoLive(nxt.number, past_limit=s.recycle_strategy != Strategy.COLD.value),
+            LearnStart(beside=True, seconds=round(ready_at - nxt.spawned_at, 1)))
     if old.phase is GenPhase.SERVING:
         out.add(Drain(old.number, now + s.drain_timeout, reason, cls))
     if rec is not None:
@@ -615,11 +588,9 @@ def _switch(v: ReplicaView, now: float, out: _Out) -> None:
     out.to(S.SERVING, now, recycle=None, consecutive=0, last_death=None)
 
 
-def _handover(v: ReplicaView, now: float, out: _Out, why: str) -> None:
-    """The successor is late: the old generation drains now; the successor keeps starting and
-    takes over when it is ready (or when its gate opens)."""
-    nxt = v.successor
-    assert nxt is not None
+def _handover(v: ReplicaView, now: float, out: _Out, nxt: GenView, why: str) -> None:
+    """The successor `nxt` is late: the old generation drains now; it keeps starting and takes
+    over when it is ready (or when its gate opens)."""
     note = f"handed over: {why}; generation {nxt.number} goes on starting"
     out.add(RecycleNote(out.m.recycle.strategy if out.m.recycle else Strategy.COLD.value, note),
             log("recycle_handover", "warning", replica=v.facts.index, generation=_n(v.current),
@@ -627,38 +598,66 @@ def _handover(v: ReplicaView, now: float, out: _Out, why: str) -> None:
     _drain_current(v, now, out)
 
 
-def _successor_lost(v: ReplicaView, now: float, out: _Out) -> bool:
-    """While the old generation drains or stops: a successor that died (or cannot park) is a
-    failure of its own, and the recycle goes on cold. True when it was lost."""
-    nxt = v.successor
-    assert nxt is not None
-    if nxt.exit_code is not None:
-        failure, repeated = _start_failure(out, nxt, f"exited with {nxt.exit_code} while " + (
-            "parked at its startup gate" if nxt.gate == "parked" else "starting"))
-        _add_failure(out, failure)
-        out.add(Abandon(failure.detail))
-        _note_fallback(v, out, _about(failure))
-        _check_limit(v, out, repeated=repeated)
-        return True
+def _exited(g: GenView, where: str) -> str | None:
+    """How a generation that exited on its own is described (`where`: what it was doing), or
+    None while it runs: the one wording of a successor's exit."""
+    if g.exit_code is None:
+        return None
+    gate = f" ({g.gate}: {g.gate_reason})" if g.gate not in (None, "parked") else ""
+    return f"exited with {g.exit_code} {where}{gate}"
+
+
+def _waiting(g: GenView) -> str:
+    """What a successor was doing while the old generation drained or stopped."""
+    return "while parked at its startup gate" if g.gate == "parked" else "while starting"
+
+
+def _successor_lost(v: ReplicaView, out: _Out, nxt: GenView, where: str) -> bool:
+    """The recycle's successor `nxt` cannot take over: it exited on its own (a failure of its
+    own, with the line its log gives) or cannot park at its gate (learned, not a failure). It is
+    killed and the recycle goes on cold; True when it was lost. The caller says what follows."""
     if nxt.gate == "skipped":
-        out.add(LearnGate(nxt.gate_reason), Abandon(f"gated pre-start unavailable: {nxt.gate_reason}"))
-        _note_fallback(v, out, f"gated pre-start unavailable: {nxt.gate_reason}")
-        return True
-    return False
+        out.add(LearnGate(nxt.gate_reason), log("gate_unavailable", "warning", generation=nxt.number,
+                                                replica=v.facts.index, reason=nxt.gate_reason))
+    exited = _exited(nxt, where)
+    if exited is not None:
+        _successor_failed(v, out, *_start_failure(out, nxt, exited))
+    elif nxt.gate == "skipped":
+        _set_aside(v, out, f"gated pre-start unavailable: {nxt.gate_reason}")
+    else:
+        return False
+    return True
 
 
-def _successor_failed(v: ReplicaView, now: float, out: _Out, failure: Failure,
+def _never_parked(v: ReplicaView, nxt: GenView) -> Failure:
+    return Failure(nxt.number, FailureKind.START_FAILED.value, None,
+                   f"did not reach its startup gate within {v.facts.cfg.server.gate_timeout:.0f}s")
+
+
+def _successor_failed(v: ReplicaView, out: _Out, failure: Failure,
                       repeated: StartCauseRepeated | None = None) -> None:
+    """The successor failed (`failure`): recorded, killed, the recycle goes on cold."""
     _add_failure(out, failure)
+    _set_aside(v, out, _about(failure))
     _check_limit(v, out, repeated=repeated)
-    _fallback_cold(v, now, out, _about(failure))
 
 
-def _fallback_cold(v: ReplicaView, now: float, out: _Out, why: str) -> None:
-    """The successor cannot take over: kill it and recycle cold."""
+def _set_aside(v: ReplicaView, out: _Out, why: str) -> None:
+    """The successor cannot take over: kill it; the recycle goes on cold."""
     out.add(Abandon(why))
     _note_fallback(v, out, why)
-    _unready_or_drain(v, now, out, urgent=False)
+
+
+def _stopped_or_held(v: ReplicaView, now: float, out: _Out) -> bool:
+    """Where a stop or a failure ends: shutting down or held, the replica exits or holds (its
+    successor, if any, is killed). True when it did; else the caller starts what comes next."""
+    f = v.facts
+    if not f.stopping and f.hold is None:
+        return False
+    if v.successor is not None:
+        out.add(Abandon("the runtime is shutting down" if f.stopping else f"held ({f.hold})"))
+    out.to(S.EXITING if f.stopping else S.HELD, now, recycle=None)
+    return True
 
 
 def _note_fallback(v: ReplicaView, out: _Out, why: str) -> None:
@@ -677,24 +676,21 @@ def _start_cold(v: ReplicaView, now: float, out: _Out, strategy: str | None) -> 
 
 
 # -- failures ----------------------------------------------------------------------------------
-def _fail(v: ReplicaView, now: float, out: _Out, kind: str, exit_code: int | None, detail: str,
+def _fail(v: ReplicaView, now: float, out: _Out, cur: GenView, kind: str, exit_code: int | None, detail: str,
           cls: EndClass = EndClass.UNPLANNED, from_log: bool = False) -> None:
-    cur = v.current
-    assert cur is not None
     _failed(v, now, out, Failure(cur.number, kind, exit_code, detail, cls, from_log))
 
 
 def _failed(v: ReplicaView, now: float, out: _Out, failure: Failure,
             repeated: StartCauseRepeated | None = None) -> None:
-    """Any unexpected end (exit 0 included) of `current` is a failure: record it, kill it. A
-    successor already starting stays: it takes over once this one is gone."""
-    cur = v.current
-    assert cur is not None
-    rec, kind, cls = out.m.recycle, failure.kind, failure.cls
+    """Any unexpected end (exit 0 included) of `current` (the generation `failure` is of) is a
+    failure: record it, kill it. A successor already starting stays: it takes over once this one
+    is gone."""
+    n, rec, kind, cls = failure.generation, out.m.recycle, failure.kind, failure.cls
     _add_failure(out, failure)
     if rec is not None:
-        out.add(RecycleNote(rec.strategy, f"ended by a failure of generation {cur.number} ({kind})"))
-    out.add(Stop(cur.number, kill=True, deadline=now + KILL_WAIT_S, reason=kind, cls=cls))
+        out.add(RecycleNote(rec.strategy, f"ended by a failure of generation {n} ({kind})"))
+    out.add(Stop(n, kill=True, deadline=now + KILL_WAIT_S, reason=kind, cls=cls))
     if v.machine.state is S.UNREADY:
         out.add(Leaving(False))
     _check_limit(v, out, cls, repeated)
@@ -778,7 +774,7 @@ def _restart_cmd(v: ReplicaView, cmd: RestartCmd, now: float, out: _Out) -> None
     if v.facts.stopping or cur is None or v.machine.state not in RESTARTABLE_STATES:
         out.add(Reply(False, _why_not(v)))
         return
-    _fail(v, now, out, FailureKind.RESTART.value, cur.exit_code, cmd.reason, cmd.cls)
+    _fail(v, now, out, cur, FailureKind.RESTART.value, cur.exit_code, cmd.reason, cmd.cls)
     out.add(Reply(True, f"killing generation {cur.number}; requests not yet answered go to the next"))
 
 

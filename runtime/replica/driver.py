@@ -82,21 +82,22 @@ class ReplicaDriver:
     async def handle(self, event: Event, facts: Callable[[], Facts]) -> Decision:
         """`decide` on `event`, then carry out its effects; an effect that fails becomes the next
         event (at most a few in a row). Returns the first decision (its reply, if a command)."""
-        first: Decision | None = None
-        for _ in range(MAX_FOLLOW_UPS):
-            await self._read_deaths()
-            d = decide(self.view(facts()), event, self.clock())
-            first = first or d
-            before = self.machine
-            self.machine = d.machine
-            follow = await self._carry_out(d.effects)
-            if d.machine.seq != before.seq:
-                self._entered(before, d.machine)
+        first, follow = await self._step(event, facts)
+        for _ in range(MAX_FOLLOW_UPS - 1):
             if follow is None:
                 break
-            event = follow
-        assert first is not None
+            _, follow = await self._step(follow, facts)
         return first
+
+    async def _step(self, event: Event, facts: Callable[[], Facts]) -> tuple[Decision, Event | None]:
+        await self._read_deaths()
+        d = decide(self.view(facts()), event, self.clock())
+        before = self.machine
+        self.machine = d.machine
+        follow = await self._carry_out(d.effects)
+        if d.machine.seq != before.seq:
+            self._entered(before, d.machine)
+        return d, follow
 
     async def _read_deaths(self) -> None:
         """A generation that exited on its own before it ever served: why, from its log (read in
@@ -168,8 +169,7 @@ class ReplicaDriver:
         return None
 
     async def _go_live(self, e: GoLive) -> Event | None:
-        gen = self.current
-        assert gen is not None
+        gen = self._find(e.generation)
         gen.cancel_tasks()
         gen.target.open(self.request_timeout)
         await self.door.add_target(gen.target, self.index)

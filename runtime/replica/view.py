@@ -159,8 +159,10 @@ class Spawn:
 
 @dataclass(frozen=True)
 class GoLive:
-    """`current` is ready: route requests to it (its count limit soft when `past_limit`)."""
+    """`current` (`generation`) is ready: route requests to it (its count limit soft when
+    `past_limit`)."""
 
+    generation: int
     past_limit: bool
 
 
