@@ -7,10 +7,11 @@ function decides (`replica.decide`) and a thin driver carries out (`replica.driv
 actions (draining, a 60-140 s cold start, a successor starting beside the serving generation)
 are states with deadlines, never blocking calls, so the WATCHDOG=1 pings continue through a
 planned recycle. What is shared lives here, behind small methods the drivers reach through
-`replica.ports.Hub`: the proxy, the books (ledger, failure window), the hold, the rolling rule
-(one replica recycles at a time, never while another is down), what the runtime learned (a vLLM
-that cannot park, how long starts take). `run()` stops every vLLM process group on every way
-out, an exception included.
+`replica.ports.Hub`: the proxy, the books (ledger, failure window), the hold's reason, every
+replica's machine (each `decide` applies the rolling rule and the hold's to its peers), what the
+runtime learned (a vLLM that cannot park, how long starts take). The supervisor decides nothing a
+replica does, the proxy's side of a hold or a stop included: those are effects of `decide`.
+`run()` stops every vLLM process group on every way out, an exception included.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from .replica import plan as replicas
 from .replica.driver import FAULT_VAR, InjectedFault, ReplicaDriver
 from .replica.generation import Generation
 from .replica.launch import Launcher
-from .replica.machine import aggregate, final, nothing_runs, rolling, serving_count
+from .replica.machine import aggregate, final
 from .replica.monitors import MonitorKit, guarded, status_loop
 from .replica.strategy import StartHistory
 from .replica.view import Facts, HoldCmd, ReleaseCmd, StopCmd
@@ -81,8 +82,7 @@ class Supervisor:
         self.proxy = Proxy(cfg.server, on_limit=self._on_limit, on_error=self._on_error)
         self.notifier = Notifier()
         self.holdfile = HoldFile(self.state_dir)
-        self.hold: str | None = self.holdfile.read()
-        self.proxy.enforce_limit = self.hold is None
+        self.hold: str | None = self.holdfile.read()  # decide holds the replicas on their first look
         self.commands = Commands(self)
         self._wakeup = asyncio.Event()
         self.exit_code = EXIT_OK
@@ -138,12 +138,9 @@ class Supervisor:
         return replicas.replica_uuids(static, p, {**os.environ, **p.env()})
 
     def facts(self, d: ReplicaDriver) -> Facts:
-        states = [x.state for x in self.drivers]
-        busy = [x.machine.recycle is not None for x in self.drivers]
         return Facts(
-            cfg=self.cfg, index=d.index, replicas=len(self.drivers), stopping=self.stopping, hold=self.hold,
-            others_why=rolling(d.index, states, busy), others_serving=serving_count(states, skip=d.index),
-            failures_in_window=self.books.in_window(), gate_unavailable=self.gate_unavailable,
+            cfg=self.cfg, index=d.index, peers=tuple(x.machine for x in self.drivers), stopping=self.stopping,
+            hold=self.hold, failures_in_window=self.books.in_window(), gate_unavailable=self.gate_unavailable,
             starts=self.starts.get(d.index, StartHistory()), gpu_room=d.gpu_room,
             standby_failures=self.standby_failures.get(d.index, 0),
             nvml=self.nvml is not None and self.nvml.available, ready_sent=self.notifier.ready_sent,
@@ -214,7 +211,6 @@ class Supervisor:
         log.info("runtime_started", port=self.cfg.server.port, state_dir=str(self.state_dir), model=self.model,
                  gpu=self.gpu_name or None, hold=self.hold, next_generation=self.last_number + 1,
                  orphans_killed=orphans, replicas=len(self.drivers), recycle_strategy=self.cfg.server.recycle_strategy)
-        await self._held_changed()
 
     async def _close(self) -> None:
         """Every way out: no vLLM process of ours survives, then the rest is closed."""
@@ -337,14 +333,13 @@ class Supervisor:
         if self._stop_pending is None:
             return
         second, self._stop_pending = self._stop_pending, None
-        await self.proxy.set_reject("vllm-guard is shutting down")
         for d in self.drivers:
             await d.handle(StopCmd(second), lambda d=d: self.facts(d))  # type: ignore[misc]
 
     async def set_hold(self, reason: str) -> str:
-        """Hold: nothing (re)starts until release; returns what the operator is told."""
+        """Hold: nothing (re)starts until release; returns what the operator is told. What a
+        hold means for each replica and for the proxy is its `decide`'s."""
         self.hold = reason
-        self.proxy.enforce_limit = False  # no recycle can follow: never stop dispatching at the limit
         detail = "held: no generation will be started until release"
         try:
             await asyncio.to_thread(self.holdfile.write, reason)
@@ -353,7 +348,6 @@ class Supervisor:
             detail += f" (not persisted, a restarted runtime will not hold: {e.strerror or e})"
         for d in self.drivers:
             await d.handle(HoldCmd(reason), lambda d=d: self.facts(d))  # type: ignore[misc]
-        await self._held_changed()
         return detail
 
     async def release(self) -> str | None:
@@ -361,23 +355,14 @@ class Supervisor:
         if self.hold is None:
             return None
         self.hold = None
-        self.proxy.enforce_limit = True
         try:
             await asyncio.to_thread(self.holdfile.clear)
         except OSError as e:
             log.error("hold_file_not_removed", error=str(e), path=str(self.holdfile.path))
-        if self.stopping:
-            return "released"
         before = self.last_number
-        await self.proxy.set_reject(None)
         for d in self.drivers:
             await d.handle(ReleaseCmd(), lambda d=d: self.facts(d))  # type: ignore[misc]
         return f"released: starting generation {self.last_number}" if self.last_number > before else "released"
-
-    async def _held_changed(self) -> None:
-        """Held with no replica left serving: requests fail fast instead of queueing."""
-        if self.hold and self.drivers and nothing_runs(d.state for d in self.drivers):
-            await self.proxy.set_reject(f"held: {self.hold}")
 
     # -- systemd -------------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
@@ -392,8 +377,6 @@ class Supervisor:
                           over_s=round(now - (d.machine.deadline or now), 1))
                 d.note_overrun()
             overrun = overrun or late
-        if self.hold:
-            await self._held_changed()
         self._overrun = overrun
         self._beat(now)
         if now - self._status_sent >= 2.0:

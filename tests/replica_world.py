@@ -23,7 +23,7 @@ from vllm_guard.runtime.records.books import RuntimeBooks
 from vllm_guard.runtime.records.writer import RuntimeLedger
 from vllm_guard.runtime.replica.driver import ReplicaDriver
 from vllm_guard.runtime.replica.generation import Generation
-from vllm_guard.runtime.replica.machine import State, rolling, serving_count
+from vllm_guard.runtime.replica.machine import State
 from vllm_guard.runtime.replica.plan import ReplicaPlan
 from vllm_guard.runtime.replica.strategy import MemoryFit, StartHistory
 from vllm_guard.runtime.replica.view import Facts, Tick
@@ -122,10 +122,14 @@ class World:
         self.past_limit: set[int] = set()
         self.leaving: set[int] = set()
         self.queued = 0
+        self.enforce_limit = True  # the proxy's: a generation stops at its count limit (not while held)
+        self.rejecting: str | None = None  # the proxy fails requests fast with this reason
         self.fit = MemoryFit(host_available_mb=20 * GIB, host_footprint_mb=3 * GIB, parked_mb=1.5 * GIB)
         self.reading_after_s = 0.0  # a serving generation's first memory reading comes this long after ready
         self.nvml = False
         self.has_room = True
+        self.room_watched: list[float] = []  # when a GPU-room watch started ...
+        self.room_unwatched: list[float] = []  # ... and stopped
         self.visits: list[tuple[int, State]] = []  # (replica, state) in the order entered
         self.drivers = [ReplicaDriver(ReplicaPlan(i), self, self, self.books, self, self,
                                       request_timeout=60.0, clock=self.clock) for i in range(replicas)]
@@ -166,6 +170,9 @@ class World:
     def queue_mark(self) -> int:
         return self.queued
 
+    async def set_reject(self, reason: str | None) -> None:
+        self.rejecting = reason
+
     # -- Watchers ----------------------------------------------------------------------------
     def booting(self, gen: Generation) -> None:
         pass
@@ -179,7 +186,12 @@ class World:
 
     def room(self, replica: int, note: Callable[[bool], None]) -> Callable[[], None]:
         self._room_note = note
-        return lambda: None
+        self.room_watched.append(self.now)
+
+        def off() -> None:
+            self.room_unwatched.append(self.now)
+
+        return off
 
     # -- Hub ---------------------------------------------------------------------------------
     def give_up(self) -> None:
@@ -222,11 +234,8 @@ class World:
 
     # -- the box -----------------------------------------------------------------------------
     def facts(self, d: ReplicaDriver) -> Facts:
-        states = [x.state for x in self.drivers]
-        busy = [x.machine.recycle is not None for x in self.drivers]
-        return Facts(cfg=self.cfg, index=d.index, replicas=len(self.drivers), stopping=self.shutting_down, hold=self.hold,
-                     others_why=rolling(d.index, states, busy), others_serving=serving_count(states, skip=d.index),
-                     failures_in_window=self.books.in_window(self.now), gate_unavailable=self.learned_gate,
+        return Facts(cfg=self.cfg, index=d.index, peers=tuple(x.machine for x in self.drivers),
+                     stopping=self.shutting_down, hold=self.hold, failures_in_window=self.books.in_window(self.now), gate_unavailable=self.learned_gate,
                      starts=self.starts.get(d.index, StartHistory()), gpu_room=d.gpu_room, nvml=self.nvml,
                      standby_failures=self.standby_failures.get(d.index, 0),
                      ready_sent=self.ready_sent)

@@ -122,6 +122,7 @@ def test_gated_parks_then_opens_the_gate_only_once_the_old_one_is_gone(tmp_path:
         d = await w.command(RecycleCmd("test", strategy="gated"))
         assert d.reply.accepted and "gate" in d.reply.detail
         await w.run_until(lambda: w.drivers[0].state is S.OPENING_GATE)
+        assert len(w.room_watched) == 1 and not w.room_unwatched  # watched from the moment it waits for room
         assert w.gen(1).ended and not w.gen(2).gate_report.state == "opened"
         for _ in range(3):
             await w.step()
@@ -130,6 +131,7 @@ def test_gated_parks_then_opens_the_gate_only_once_the_old_one_is_gone(tmp_path:
         await w.run_until(lambda: w.drivers[0].state is S.SERVING)
         assert w.drivers[0].current.number == 2
         assert w.states()[-6:] == [S.GATED_PARKING, S.DRAINING, S.STOPPING, S.OPENING_GATE, S.PAST_GATE, S.SERVING]
+        assert len(w.room_unwatched) == 1  # and no longer once its gate opened
 
     w = run(tmp_path, scenario, cfg())
     (rec,) = rows(w, "SELECT strategy, ready_at FROM recycles")
@@ -377,6 +379,47 @@ def test_a_hold_stops_a_successor_and_the_serving_generation_keeps_serving(tmp_p
         assert w.drivers[0].state is S.SERVING and w.drivers[0].successor is None
         await w.run_until(lambda: w.gen(2).ended)
         assert 1 in w.routes and w.gen(2).backend.signals == [signal.SIGKILL]
+
+    run(tmp_path, scenario, cfg())
+
+
+def test_a_hold_makes_the_limit_soft_and_fails_requests_once_nothing_runs(tmp_path: Path) -> None:
+    """The proxy's side of a hold is decide's: no generation stops at its count limit while held;
+    requests fail fast only once every replica is held (one that serves keeps serving); a
+    release takes them again; a stop refuses them."""
+    async def scenario(w: World) -> None:
+        await serving(w, 0)
+        await serving(w, 1)
+        w.hold = "xid 79"
+        for i in (0, 1):
+            await w.command(HoldCmd("xid 79"), i)
+        assert not w.enforce_limit and w.rejecting is None  # both still serve
+        w.gen(1).backend.rc = 1
+        await w.run_until(lambda: w.drivers[0].state is S.HELD)
+        assert w.rejecting is None, "replica 1 still serves"
+        w.drivers[1].current.backend.rc = 1
+        await w.run_until(lambda: w.drivers[1].state is S.HELD)
+        assert w.rejecting == "held: xid 79"
+        w.hold = None
+        for i in (0, 1):
+            await w.command(ReleaseCmd(), i)
+        assert w.enforce_limit and w.rejecting is None
+        await w.run_until(lambda: all(d.state is S.SERVING for d in w.drivers))
+        w.shutting_down = True
+        await w.command(StopCmd())
+        assert w.rejecting == "vllm-guard is shutting down"
+
+    run(tmp_path, scenario, cfg(), replicas=2)
+
+
+def test_a_recycle_ended_by_a_hold_is_over_in_the_books(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        await serving(w)
+        await w.command(RecycleCmd("test", strategy="overlap"))
+        assert w.books.recycle_of(0) is not None
+        w.hold = "maintenance"
+        await w.command(HoldCmd("maintenance"))
+        assert w.books.recycle_of(0) is None and w.drivers[0].state is S.SERVING
 
     run(tmp_path, scenario, cfg())
 

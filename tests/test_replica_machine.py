@@ -16,8 +16,8 @@ from vllm_guard.runtime.replica.machine import (
     State, Wanted, aggregate, rolling,
 )
 from vllm_guard.runtime.replica.view import (
-    Abandon, Facts, Failure, GenPhase, GenView, HoldCmd, RecycleCmd, ReleaseCmd, ReplicaView, RestartCmd, SpawnFailed,
-    Stop, StopCmd, Tick,
+    Abandon, EnforceLimits, Facts, Failure, GenPhase, GenView, HoldCmd, RecycleCmd, RecycleOver, RejectRequests,
+    ReleaseCmd, ReplicaView, RestartCmd, SpawnFailed, Stop, StopCmd, Tick, WatchRoom,
 )
 
 S = State
@@ -54,7 +54,7 @@ def view_of(state: State) -> ReplicaView:
         cur = gen(1, GenPhase.BOOTING, gated=state is S.PAST_GATE)
     elif state is S.WAITING_TURN:
         m = replace(m, wanted=Wanted("max_requests", EndClass.SCHEDULED), deferred="replica 1 is recycling")
-        f = facts(others_why="replica 1 is recycling", replicas=2)
+        f = facts(peers=(m, Machine(state=S.SERVING, entered=True, recycle=REC)))
     elif state is S.STANDBY:
         nxt = gen(2, GenPhase.BOOTING, gated=True, beside=True, standby=True)
     elif state is S.OVERLAP_STARTING:
@@ -217,7 +217,54 @@ def test_every_state_has_a_coarse_state_and_the_aggregate_prefers_serving() -> N
 
 
 def test_the_rolling_rule() -> None:
-    assert rolling(0, [S.SERVING, S.SERVING], [False, False]) is None
-    assert rolling(0, [S.SERVING, S.SERVING], [False, True]) == "replica 1 is recycling"
-    assert rolling(0, [S.SERVING, S.BACKOFF], [False, False]) == "replica 1 is backoff"
-    assert rolling(1, [S.SERVING, S.STARTING], [False, False]) is None  # itself does not count
+    serving, busy = Machine(state=S.SERVING, entered=True), Machine(state=S.SERVING, entered=True, recycle=REC)
+    assert rolling(0, [serving, serving]) is None
+    assert rolling(0, [serving, busy]) == "replica 1 is recycling"
+    assert rolling(0, [serving, Machine(state=S.BACKOFF, entered=True)]) == "replica 1 is backoff"
+    assert rolling(1, [Machine(state=S.SERVING, entered=True), Machine(state=S.STARTING)]) is None  # itself does not count
+
+
+# -- what decide says, so that nobody derives it again ---------------------------------------------
+def kinds(d: object, *types: type) -> list[object]:
+    return [e for e in d.effects if isinstance(e, types)]  # type: ignore[attr-defined]
+
+
+def test_the_hold_and_the_stop_set_the_proxys_admission() -> None:
+    """Held: no generation stops at its count limit; requests fail fast once no replica runs (the
+    last one held says it); a release takes them again; a stop refuses them."""
+    fresh = ReplicaView(machine=Machine(), facts=facts(hold="maintenance"))
+    d = decide(fresh, Tick(), NOW)
+    assert kinds(d, EnforceLimits, RejectRequests) == [EnforceLimits(False), RejectRequests("held: maintenance")]
+    v, e = event_of("hold", view_of(S.SERVING))
+    d = decide(v, e, NOW)  # type: ignore[arg-type]
+    assert kinds(d, EnforceLimits, RejectRequests) == [EnforceLimits(False)], "it still serves"
+    v, e = event_of("hold", view_of(S.BACKOFF))
+    other = Machine(state=S.SERVING, entered=True)
+    alone = decide(v, e, NOW)  # type: ignore[arg-type]
+    beside = decide(replace(v, facts=replace(v.facts, peers=(v.machine, other), index=0)), e, NOW)  # type: ignore[arg-type]
+    assert RejectRequests("held: maintenance") in alone.effects and not kinds(beside, RejectRequests)
+    v, e = event_of("release", view_of(S.HELD))
+    assert kinds(decide(v, e, NOW), EnforceLimits, RejectRequests) == [EnforceLimits(True), RejectRequests(None)]  # type: ignore[arg-type]
+    for state in (S.SERVING, S.STARTING, S.BACKOFF):
+        v, e = event_of("stop", view_of(state))
+        assert kinds(decide(v, e, NOW), RejectRequests) == [RejectRequests("vllm-guard is shutting down")]  # type: ignore[arg-type]
+
+
+def test_a_parked_successor_waiting_for_room_is_watched_from_entry_to_exit() -> None:
+    v = view_of(S.STOPPING)
+    v = replace(v, current=replace(v.current, alive=(), gone=True),  # type: ignore[arg-type]
+                successor=gen(2, GenPhase.BOOTING, gated=True, gate="parked", beside=True))
+    d = decide(v, Tick(), NOW)
+    assert d.machine.state is S.OPENING_GATE and d.effects[0] == WatchRoom(True)
+    opened = decide(replace(view_of(S.OPENING_GATE), facts=facts(nvml=True, gpu_room=True)), Tick(), NOW)
+    assert opened.machine.state is S.PAST_GATE and opened.effects[0] == WatchRoom(False)
+    assert not kinds(decide(view_of(S.OPENING_GATE), Tick(), NOW), WatchRoom), "no room yet: it goes on watching"
+
+
+def test_a_recycle_that_ends_with_nothing_ready_is_over() -> None:
+    for name, state in (("crash", S.OVERLAP_STARTING), ("hold", S.GATED_PARKING), ("stop", S.UNREADY)):
+        v, e = event_of(name, view_of(state))
+        d = decide(v, e, NOW)  # type: ignore[arg-type]
+        assert d.machine.recycle is None and kinds(d, RecycleOver) == [RecycleOver()], (name, state)
+    v, e = event_of("tick", view_of(S.SERVING))
+    assert not kinds(decide(v, e, NOW), RecycleOver)  # type: ignore[arg-type]

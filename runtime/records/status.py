@@ -23,13 +23,11 @@ from vllm_guard.core.protocol import (
 from ..frontdoor.proxy import Proxy
 from ..replica.driver import ReplicaDriver
 from ..replica.generation import Generation
-from ..replica.machine import COARSE, State
+from ..replica.machine import COARSE, TAKING_OVER_STATES
 from .books import RuntimeBooks
 
 _REACHABLE = frozenset({RuntimeState.STARTING, RuntimeState.SERVING, RuntimeState.DRAINING})
-# what status calls the successor's phase, by the replica's state (and whether it is parked)
 _PARKED = "parked"
-_PAST_GATE: dict[State, str] = {State.PAST_GATE: "past_gate"}
 
 
 @dataclass(frozen=True)
@@ -66,8 +64,7 @@ def snapshot(x: StatusInputs) -> StatusSnapshot:
     )
     children = [ch for d in x.drivers if d.current is not None and not d.current.ended
                 for ch in d.current.listed_children]
-    in_progress = next((r for d in x.drivers if d.machine.recycle is not None
-                        and (r := x.books.recycle_of(d.index)) is not None), None)
+    in_progress = next((r for d in x.drivers if (r := x.books.recycle_of(d.index)) is not None), None)
     reachable = first is not None and COARSE[first.state] in _REACHABLE
     return StatusSnapshot(
         schema="vllm-guard-status/3",
@@ -108,9 +105,9 @@ def replica_status(d: ReplicaDriver, books: RuntimeBooks) -> ReplicaStatus:
         parked = nxt.gate_report is not None and nxt.gate_report.state == _PARKED
         phase = "parked" if parked else "starting"
         nxt_number = nxt.number
-    elif gen is not None and _PAST_GATE.get(st) is not None:
+    elif gen is not None and st in TAKING_OVER_STATES:
         phase, nxt_number = "past_gate", gen.number
-    rec = books.recycle_of(d.index) if d.machine.recycle is not None else None
+    rec = books.recycle_of(d.index)
     last = next((r for r in reversed(list(books.recycles)) if r.replica == d.index), None)
     return ReplicaStatus(
         index=d.index, state=COARSE[st], phase=st.value, generation=gen.number if gen is not None else 0,

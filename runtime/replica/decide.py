@@ -6,9 +6,14 @@ for the driver out. Nothing here reads a clock, a process, a file or NVML, so ev
 strategy start to end, a successor that dies or is late, a crash in any state, a command in any
 state — is tested in milliseconds (tests/test_replica_machine.py).
 
-Rules kept here, and only here:
-- a recycle begins only when the rolling rule allows (no other replica busy or down), else the
-  replica waits its turn (WAITING_TURN) serving past its limit;
+Rules kept here, and only here (everyone else reads the machine's state and these effects):
+- a recycle begins only when the rolling rule allows (no other replica busy or down: `Facts.peers`),
+  else the replica waits its turn (WAITING_TURN) serving past its limit;
+- the proxy's side of a hold and a stop: held, no generation stops at its count limit
+  (`EnforceLimits`) and, once no replica runs, requests fail fast (`RejectRequests`); a release
+  takes them again; a stop refuses them;
+- what follows from how the machine changed (`_Out.done`): the GPU-room watch while a parked
+  successor waits for its gate (`WatchRoom`), a recycle over with nothing ready (`RecycleOver`);
 - the strategy is chosen per recycle from the serving generation's readings (`strategy.choose`);
 - a successor's wait is bounded by the trigger's urgency: a memory trigger gives it half the
   forecast time to the memory limit, a request limit lets the old generation take at most
@@ -38,14 +43,14 @@ from ..child.death import same_cause
 from . import triggers
 from .machine import (
     BOOTING_STATES, RECYCLABLE_STATES, RECYCLING_STATES, RESTARTABLE_STATES, SERVING_STATES, Machine, Recycle,
-    State, Wanted,
+    State, Wanted, idle, rolling, serving_count,
 )
 from .strategy import AUTO, MemoryFit, Strategy, choose, gated_fits
 from .view import (
-    Abandon, Decision, Drain, Effect, Event, Extend, ExitAll, Failure, Finish, GenPhase, GenView, GiveUp, GoLive,
-    HoldCmd, LearnGate, LearnStandby, LearnStart, Leaving, OpenGate, PastLimit, Promote, RecycleBegan, RecycleCmd, RecycleMark,
-    RecycleNote, RecycleReady, ReleaseCmd, ReplicaView, Reply, RestartCmd, Slot, Spawn, SpawnFailed, StartCauseRepeated,
-    Stop, StopCmd, Tick, log,
+    Abandon, Decision, Drain, Effect, EnforceLimits, Event, Extend, ExitAll, Failure, Finish, GenPhase, GenView, GiveUp,
+    GoLive, HoldCmd, LearnGate, LearnStandby, LearnStart, Leaving, OpenGate, PastLimit, Promote, RecycleBegan,
+    RecycleCmd, RecycleMark, RecycleNote, RecycleOver, RecycleReady, RejectRequests, ReleaseCmd, ReplicaView, Reply,
+    RestartCmd, Slot, Spawn, SpawnFailed, StartCauseRepeated, Stop, StopCmd, Tick, WatchRoom, log,
 )
 
 S = State
@@ -88,8 +93,22 @@ class _Out:
         self.m = replace(self.m, **changes)  # type: ignore[arg-type]
         return self
 
-    def done(self) -> Decision:
-        return Decision(self.m, tuple(self.fx))
+    def done(self, v: ReplicaView, event: Event) -> Decision:
+        """The decision, with what follows from how the machine changed, said once here for
+        every path: the GPU-room watch of a parked successor (in OPENING_GATE; first, so a
+        launch that fails after it cannot skip it), a recycle over with nothing ready (the
+        books close it), a hold's rejection once nothing runs."""
+        before, m, f = v.machine, self.m, v.facts
+        moved = m.seq != before.seq
+        first: tuple[Effect, ...] = ()
+        if moved and (before.state is S.OPENING_GATE) != (m.state is S.OPENING_GATE):
+            first = (WatchRoom(m.state is S.OPENING_GATE),)
+        if before.recycle is not None and m.recycle is None and not any(isinstance(e, RecycleReady) for e in self.fx):
+            self.add(RecycleOver())
+        if m.state is S.HELD and (moved or isinstance(event, HoldCmd)) and f.hold is not None and not f.stopping \
+                and idle(f.peers, skip=f.index):
+            self.add(RejectRequests(f"held: {f.hold}"))
+        return Decision(m, first + tuple(self.fx))
 
 
 def decide(v: ReplicaView, event: Event, now: float) -> Decision:
@@ -99,6 +118,7 @@ def decide(v: ReplicaView, event: Event, now: float) -> Decision:
         if v.facts.stopping:
             out.to(S.EXITING, now)
         elif v.facts.hold is not None:
+            out.add(EnforceLimits(False))
             out.to(S.HELD, now)
         else:
             _start_cold(v, now, out, None)
@@ -121,7 +141,7 @@ def decide(v: ReplicaView, event: Event, now: float) -> Decision:
                 ExitAll(EXIT_BOOT_ERROR))
         if out.m.state is not S.EXITING and out.m.can(S.EXITING):
             out.to(S.EXITING, now)
-    return out.done()
+    return out.done(v, event)
 
 
 # -- ticks -------------------------------------------------------------------------------------
@@ -479,8 +499,9 @@ def _wait_why(v: ReplicaView, now: float, strategy: str | None) -> str | None:
     no memory reading says yet which strategy fits (without one, `auto` could only go cold: a
     recycle asked for the moment a generation serves would leave the replica without service)."""
     f, cur = v.facts, v.current
-    if f.others_why is not None:
-        return f.others_why
+    others = rolling(f.index, f.peers)
+    if others is not None:
+        return others
     if (cur is not None and cur.fit is None and v.successor is None and cur.ready_at is not None
             and now - cur.ready_at < READING_WAIT_S and (strategy or f.cfg.server.recycle_strategy) == AUTO):
         return f"generation {cur.number} has no memory reading yet to choose the strategy from"
@@ -554,7 +575,7 @@ def _unready_or_drain(v: ReplicaView, now: float, out: _Out, urgent: bool) -> No
     """Before a gap: announce the replica as leaving for `unready_lead` when it is the only one
     serving (a balancer then moves traffic away first); else, or when urgent, drain now."""
     lead = v.facts.cfg.server.unready_lead
-    if lead > 0 and not urgent and v.facts.others_serving == 0:
+    if lead > 0 and not urgent and serving_count(v.facts.peers, skip=v.facts.index) == 0:
         out.add(Leaving(True), PastLimit(True))
         out.to(S.UNREADY, now, lead)
     else:
@@ -781,8 +802,10 @@ def _restart_cmd(v: ReplicaView, cmd: RestartCmd, now: float, out: _Out) -> None
 def _hold_cmd(v: ReplicaView, now: float, out: _Out) -> None:
     """Held: nothing new starts. A successor starting beside the serving generation is stopped
     (the serving one keeps serving), a recycle waiting for its turn is dropped, a replica backing
-    off stays down; a stop under way ends in HELD (`_after_stop`)."""
+    off stays down; a stop under way ends in HELD (`_after_stop`). No generation stops at its
+    count limit while held: no recycle can follow."""
     st = v.machine.state
+    out.add(EnforceLimits(False))
     if st in RECYCLING_STATES or st is S.STANDBY:
         if v.successor is not None:
             out.add(Abandon(f"held ({v.facts.hold})"))
@@ -795,6 +818,9 @@ def _hold_cmd(v: ReplicaView, now: float, out: _Out) -> None:
 
 
 def _release_cmd(v: ReplicaView, now: float, out: _Out) -> None:
+    out.add(EnforceLimits(True))
+    if not v.facts.stopping:
+        out.add(RejectRequests(None))
     if v.machine.state is S.HELD and not v.facts.stopping:
         _start_cold(v, now, out, None)
         out.add(Reply(True, "starting"))
@@ -803,8 +829,10 @@ def _release_cmd(v: ReplicaView, now: float, out: _Out) -> None:
 
 
 def _stop_cmd(v: ReplicaView, cmd: StopCmd, now: float, out: _Out) -> None:
-    """SIGTERM/SIGINT: drain and stop; a second signal shortens the ladder."""
+    """SIGTERM/SIGINT: requests are refused from now on; drain and stop; a second signal
+    shortens the ladder."""
     st, cur, s = v.machine.state, v.current, v.facts.cfg.server
+    out.add(RejectRequests("vllm-guard is shutting down"))
     if v.successor is not None and st is not S.FAILING:
         out.add(Abandon("the runtime is shutting down"))
     out.set(wanted=None, deferred=None)

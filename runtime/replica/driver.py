@@ -25,9 +25,10 @@ from .machine import Machine, State, coarse
 from .plan import ReplicaPlan
 from .ports import Books, Door, Hub, Spawner, Watchers
 from .view import (
-    Abandon, Decision, Drain, Effect, Event, Extend, ExitAll, Facts, Failure, Finish, GiveUp, GoLive, LearnGate,
-    LearnStandby, LearnStart, Leaving, Log, OpenGate, PastLimit, Promote, RecycleBegan, RecycleMark, RecycleNote, RecycleReady,
-    ReplicaView, Reply, Slot, Spawn, SpawnFailed, StartCauseRepeated, Stop, Tick,
+    Abandon, Decision, Drain, Effect, EnforceLimits, Event, Extend, ExitAll, Facts, Failure, Finish, GiveUp, GoLive,
+    LearnGate, LearnStandby, LearnStart, Leaving, Log, OpenGate, PastLimit, Promote, RecycleBegan, RecycleMark,
+    RecycleNote, RecycleOver, RecycleReady, RejectRequests, ReplicaView, Reply, Slot, Spawn, SpawnFailed,
+    StartCauseRepeated, Stop, Tick, WatchRoom,
 )
 
 log = structlog.get_logger("vllm_guard.supervisor")
@@ -112,23 +113,11 @@ class ReplicaDriver:
 
     def _entered(self, before: Machine, m: Machine) -> None:
         self.overrun_logged = False
-        self._watch_room()
         log.info("state", old=before.state.value if before.entered else None, new=m.state.value,
                  runtime_state=coarse(m.state).value,
                  replica=self.index, generation=self.current.number if self.current else None,
                  deadline_s=round(m.deadline - m.since, 1) if m.deadline is not None else None)
         self.hub.state_changed()
-
-    def _watch_room(self) -> None:
-        """A parked generation waiting for its gate needs the GPU-room reading (the driver starts
-        it whatever the state that needs it; `decide` reads it only in OPENING_GATE)."""
-        wants = self.successor is not None and self.successor.gate is not None and self.current is None
-        if wants and self._room_off is None:
-            self.gpu_room = None
-            self._room_off = self.watchers.room(self.index, self._note_room)
-        elif not wants and self._room_off is not None:
-            self._room_off()
-            self._room_off, self.gpu_room = None, None
 
     def _note_room(self, room: bool) -> None:
         self.gpu_room = room
@@ -269,6 +258,22 @@ class ReplicaDriver:
             self.door.set_leaving(self.current.target, e.leaving)
         return None
 
+    async def _watch_room(self, e: WatchRoom) -> Event | None:
+        """Start (a fresh reading: none yet) or stop the GPU-room watch of a parked successor."""
+        if self._room_off is not None:
+            self._room_off()
+        self._room_off = self.watchers.room(self.index, self._note_room) if e.on else None
+        self.gpu_room = None
+        return None
+
+    async def _enforce_limits(self, e: EnforceLimits) -> Event | None:
+        self.door.enforce_limit = e.on
+        return None
+
+    async def _reject_requests(self, e: RejectRequests) -> Event | None:
+        await self.door.set_reject(e.reason)
+        return None
+
     async def _failure(self, e: Failure) -> Event | None:
         gen = self._find(e.generation)
         detail = e.detail
@@ -294,6 +299,10 @@ class ReplicaDriver:
 
     async def _recycle_mark(self, e: RecycleMark) -> Event | None:
         self.books.recycle_mark(self.index, e.what)
+        return None
+
+    async def _recycle_over(self, _: RecycleOver) -> Event | None:
+        self.books.recycle_over(self.index)
         return None
 
     async def _recycle_ready(self, e: RecycleReady) -> Event | None:
@@ -339,9 +348,10 @@ class ReplicaDriver:
 
     _handlers: dict[type, Callable[[ReplicaDriver, Any], Awaitable[Event | None]]] = {
         Spawn: _spawn, GoLive: _go_live, Promote: _promote, Abandon: _abandon, Drain: _drain, Stop: _stop,
-        Finish: _finish, OpenGate: _open_gate, PastLimit: _past_limit, Leaving: _leaving, Failure: _failure,
+        Finish: _finish, OpenGate: _open_gate, PastLimit: _past_limit, Leaving: _leaving, WatchRoom: _watch_room,
+        EnforceLimits: _enforce_limits, RejectRequests: _reject_requests, Failure: _failure,
         RecycleBegan: _recycle_began, RecycleNote: _recycle_note, RecycleMark: _recycle_mark,
-        RecycleReady: _recycle_ready, Log: _log, Extend: _extend, GiveUp: _give_up,
+        RecycleOver: _recycle_over, RecycleReady: _recycle_ready, Log: _log, Extend: _extend, GiveUp: _give_up,
         StartCauseRepeated: _start_cause_repeated, ExitAll: _exit_all,
         LearnGate: _learn_gate, LearnStandby: _learn_standby, LearnStart: _learn_start, Reply: _reply,
     }

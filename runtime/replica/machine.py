@@ -97,6 +97,9 @@ RECYCLING_STATES = frozenset({S.WAITING_TURN, S.OVERLAP_STARTING, S.GATED_PARKIN
 # a restart where the coarse state takes one; a recycle where it takes one and none is under way.
 RESTARTABLE_STATES = frozenset(s for s in State if COARSE[s] in RESTARTABLE)
 RECYCLABLE_STATES = frozenset(s for s in State if COARSE[s] in RECYCLABLE) - RECYCLING_STATES
+IDLE_STATES = frozenset({S.HELD, S.EXITING})  # nothing runs and nothing will start
+# `current` is the recycle's successor, booting on past its opened gate (status: next_phase past_gate)
+TAKING_OVER_STATES = frozenset({S.PAST_GATE})
 
 
 class IllegalTransition(RuntimeError):
@@ -178,24 +181,25 @@ def aggregate(states: Iterable[State]) -> RuntimeState:
     return next((s for s in order if s in have), RuntimeState.STARTING)
 
 
-def nothing_runs(states: Iterable[State]) -> bool:
-    """Every replica is held or gone: requests should fail fast instead of queueing."""
-    return all(COARSE[s] in (RuntimeState.HELD, RuntimeState.EXITING) for s in states)
+def idle(peers: Sequence[Machine], skip: int | None = None) -> bool:
+    """Every replica (besides `skip`) is held or gone: requests should fail fast instead of
+    queueing."""
+    return all(m.state in IDLE_STATES for i, m in enumerate(peers) if i != skip)
 
 
-def rolling(index: int, states: Sequence[State], busy: Sequence[bool]) -> str | None:
+def rolling(index: int, peers: Sequence[Machine]) -> str | None:
     """The rolling rule: None when replica `index` may begin a planned recycle now (no other
     replica is recycling, every other one serves), else why it waits."""
-    for i, (st, b) in enumerate(zip(states, busy)):
+    for i, m in enumerate(peers):
         if i == index:
             continue
-        if b:
+        if m.recycle is not None:
             return f"replica {i} is recycling"
-        if COARSE[st] is not RuntimeState.SERVING:
-            return f"replica {i} is {COARSE[st].value}"
+        if m.state not in SERVING_STATES:
+            return f"replica {i} is {COARSE[m.state].value}"
     return None
 
 
-def serving_count(states: Iterable[State], skip: int | None = None) -> int:
+def serving_count(peers: Sequence[Machine], skip: int | None = None) -> int:
     """How many replicas serve (besides `skip`)."""
-    return sum(1 for i, s in enumerate(states) if i != skip and COARSE[s] is RuntimeState.SERVING)
+    return sum(1 for i, m in enumerate(peers) if i != skip and m.state in SERVING_STATES)

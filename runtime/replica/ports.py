@@ -24,8 +24,13 @@ class Spawner(Protocol):
 
 
 class Door(Protocol):
+    enforce_limit: bool  # a generation stops taking requests at its count limit (not while held)
+
     @property
     def queued(self) -> int: ...
+
+    async def set_reject(self, reason: str | None) -> None:
+        """Fail requests fast with `reason` (None: take them again)."""
 
     async def add_target(self, target: Target, replica: int = 0) -> None: ...
 
@@ -54,6 +59,9 @@ class Books(Protocol):
     def recycle_note(self, replica: int, strategy: str, why: str, next_generation: int | None) -> None: ...
 
     def recycle_mark(self, replica: int, what: str) -> None: ...
+
+    def recycle_over(self, replica: int) -> None:
+        """The replica's recycle ended with no next generation ready."""
 
     def recycle_ready(self, replica: int, generation: int, duration_s: float, downtime_s: float,
                       queued: int) -> None: ...

@@ -80,11 +80,11 @@ class Facts:
 
     cfg: GuardConfig
     index: int = 0
-    replicas: int = 1
+    # every replica's machine by index, as the runtime holds them now (this one's is skipped):
+    # `decide` applies the rolling rule and the hold's to them
+    peers: tuple[Machine, ...] = ()
     stopping: bool = False  # the runtime shuts down (a signal, the failure limit)
     hold: str | None = None
-    others_why: str | None = None  # why a planned recycle must wait (the rolling rule); None: it may go
-    others_serving: int = 0  # other replicas that serve now
     failures_in_window: int = 0  # unplanned failures within [server] failure_window
     gate_unavailable: str | None = None  # learned: this vLLM cannot park at the gate
     starts: StartHistory = field(default_factory=StartHistory)
@@ -93,6 +93,10 @@ class Facts:
     nvml: bool = False  # GPU readings exist on this box
     ready_sent: bool = False  # systemd heard READY=1
     extend_sent_at: float = 0.0  # when EXTEND_TIMEOUT_USEC last went out
+
+    @property
+    def replicas(self) -> int:
+        return max(1, len(self.peers))
 
 
 @dataclass(frozen=True)
@@ -221,6 +225,30 @@ class Leaving:
 
 
 @dataclass(frozen=True)
+class WatchRoom:
+    """Watch whether the replica's GPUs have room for its parked successor (`on`), or stop:
+    read while it waits for its gate to open (OPENING_GATE)."""
+
+    on: bool
+
+
+@dataclass(frozen=True)
+class EnforceLimits:
+    """Whether a generation stops taking requests at its count limit (the proxy's, for every
+    replica): not while held, since no recycle can follow to replace it."""
+
+    on: bool
+
+
+@dataclass(frozen=True)
+class RejectRequests:
+    """Requests fail fast with `reason` instead of queueing (held with no replica left running,
+    or shutting down); None: they are taken again."""
+
+    reason: str | None
+
+
+@dataclass(frozen=True)
 class Failure:
     generation: int
     kind: str  # a core.ledger.FailureKind value
@@ -249,6 +277,11 @@ class RecycleMark:
     """A recycle's milestone for the ledger: drained, stopped."""
 
     what: str  # drained | stopped
+
+
+@dataclass(frozen=True)
+class RecycleOver:
+    """The running recycle ended with no next generation ready (a failure, a hold, a stop)."""
 
 
 @dataclass(frozen=True)
@@ -314,9 +347,10 @@ class Reply:
     detail: str
 
 
-Effect = (Spawn | GoLive | Promote | Abandon | Drain | Stop | Finish | OpenGate | PastLimit | Leaving | Failure
-          | RecycleBegan | RecycleNote | RecycleMark | RecycleReady | Log | Extend | GiveUp | StartCauseRepeated
-          | ExitAll | LearnGate | LearnStandby | LearnStart | Reply)
+Effect = (Spawn | GoLive | Promote | Abandon | Drain | Stop | Finish | OpenGate | PastLimit | Leaving | WatchRoom
+          | EnforceLimits | RejectRequests | Failure | RecycleBegan | RecycleNote | RecycleMark | RecycleOver
+          | RecycleReady | Log | Extend | GiveUp | StartCauseRepeated | ExitAll | LearnGate | LearnStandby | LearnStart
+          | Reply)
 
 
 @dataclass(frozen=True)
