@@ -294,7 +294,7 @@ def spawn_guard(vllm_args: list[str]) -> tuple[subprocess.Popen, str]:
     """A guarded tiny-model server of our own (when no --state-dir is given)."""
     import tempfile
 
-    from vllm_guard.runtime.records import admin
+    from vllm_guard.runtime.servers import admin
 
     sd = tempfile.mkdtemp(prefix="bench-proxy-")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -414,7 +414,7 @@ def main() -> None:
                 p.wait()
         res["upstream"] = "synthetic SSE (aiohttp, no model)"
     else:
-        from vllm_guard.runtime.records import admin
+        from vllm_guard.runtime.servers import admin
 
         guard = None if a.state_dir else spawn_guard(a.vllm_args)
         sd = a.state_dir or guard[1]

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from loadclient import RunResult, one_request  # noqa: E402
 
-from vllm_guard.runtime.records import admin
+from vllm_guard.runtime.servers import admin
 from vllm_guard.runtime.child.backend import free_port
 from vllm_guard.core.timefmt import parse_iso  # noqa: E402
 

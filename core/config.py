@@ -164,7 +164,7 @@ class ServerConfig:
     backoff_max: Duration = _f(Duration(60.0), gt=0)
     request_timeout: Duration = _f(Duration(3600.0), gt=0)
     access_log: bool = True  # one `request` event per proxied request (id, generation, status, TTFT)
-    # the runtime's own Prometheus metrics (runtime/records/metrics.py) on metrics_addr:metrics_port; 0: off
+    # the runtime's own Prometheus metrics (runtime/servers/metrics.py) on metrics_addr:metrics_port; 0: off
     metrics_addr: str = _f("127.0.0.1", check=_no_control)
     metrics_port: int = _f(9465, min=0, max=65535)
     # The public port's bounds: a request body larger than max_body_mb is refused (413, before it is

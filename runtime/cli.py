@@ -349,7 +349,7 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
 
     from vllm_guard.core import logsetup
 
-    from .records import admin
+    from .servers import admin
     from .records.writer import RuntimeLedger
     from .supervisor import Supervisor
 
@@ -478,7 +478,7 @@ def cmd_admin(args: argparse.Namespace, _: list[str]) -> int:
 
     from vllm_guard.core import admin as client
 
-    from .records.statusfmt import format_status
+    from .status.fmt import format_status
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `vllm-guard status | head` is not an error
     state_dir, where = resolve_state_dir(args.state_dir)

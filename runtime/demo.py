@@ -30,7 +30,7 @@ from vllm_guard.core.protocol import Command, CommandRequest, RuntimeState, Stat
 from vllm_guard.core.stream import stream_completion
 
 from .child.backend import free_port
-from .records.statusfmt import format_status
+from .status.fmt import format_status
 
 MAX_TOKENS = 16
 LOAD_CAP_S = 600.0  # the load stops after this long even if fewer than three generations served

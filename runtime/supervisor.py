@@ -38,10 +38,8 @@ from .commands import Commands
 from .loopwatch import LoopWatch
 from .frontdoor.proxy import Proxy
 from .frontdoor.target import Target
-from .records import metrics
 from .records.books import RuntimeBooks
 from .records.holdfile import HoldFile
-from .records.status import StatusInputs, snapshot, status_line, visible_gpu_name
 from .records.writer import RuntimeLedger
 from .replica import plan as replicas
 from .replica.driver import FAULT_VAR, InjectedFault, ReplicaDriver
@@ -51,6 +49,8 @@ from .replica.machine import aggregate, final
 from .replica.monitors import MonitorKit, guarded, status_loop
 from .replica.strategy import StartHistory
 from .replica.view import Facts, HoldCmd, ReleaseCmd, StopCmd
+from .servers import metrics
+from .status.snapshot import StatusInputs, snapshot, status_line, visible_gpu_name
 
 log = structlog.get_logger("vllm_guard.supervisor")
 

@@ -17,7 +17,7 @@ import yaml
 from conftest import ROOT
 from test_metrics_runtime import STATUS, make_ledger
 from vllm_guard.core.protocol import StatusSnapshot
-from vllm_guard.runtime.records.metrics import RuntimeMetrics
+from vllm_guard.runtime.servers.metrics import RuntimeMetrics
 from vllm_guard.watchdog.exporter import Exporter
 
 DASH = ROOT / "dashboards" / "vllm-guard.json"

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_guard.core.protocol import StatusSnapshot
 from vllm_guard.runtime.records.writer import RuntimeLedger
-from vllm_guard.runtime.records.metrics import LedgerView, RuntimeCollector, RuntimeMetrics, sample_names
+from vllm_guard.runtime.servers.metrics import LedgerView, RuntimeCollector, RuntimeMetrics, sample_names
 
 STATUS = {
     "state": "draining", "state_for_s": 12.5, "generation": 3, "pid": 7, "port": 8000, "model": "/m/tiny",
@@ -134,7 +134,7 @@ def test_latency_histograms_per_replica_from_the_proxys_records(tmp_path: Path) 
     from test_faults_proxy import Rig, completion, run
     from vllm_guard.core.vllm_api import unix_url
     from vllm_guard.runtime.frontdoor.target import Target
-    from vllm_guard.runtime.records.requestmetrics import SLA_BOUNDS_S
+    from vllm_guard.runtime.servers.requestmetrics import SLA_BOUNDS_S
 
     m = RuntimeMetrics(make_ledger(tmp_path / "state"))
 
@@ -200,7 +200,7 @@ def test_each_replicas_vllm_metrics_are_reexported_with_its_label(tmp_path: Path
     import threading
 
     from vllm_guard.core.vllm_api import unix_url
-    from vllm_guard.runtime.records.reexport import LoopFetch
+    from vllm_guard.runtime.servers.reexport import LoopFetch
 
     text = VLLM_PAGE.read_text()
     loop = asyncio.new_event_loop()

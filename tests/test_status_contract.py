@@ -20,7 +20,7 @@ from vllm_guard.core.ledger import EndClass
 from vllm_guard.core.protocol import (
     RECENT, FailureSummary, LatencySummary, RecycleSummary, RequestCounters, RuntimeState, StatusSnapshot,
 )
-from vllm_guard.runtime.records.statusfmt import format_status
+from vllm_guard.runtime.status.fmt import format_status
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

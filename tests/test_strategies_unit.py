@@ -262,7 +262,7 @@ def test_bad_gpu_lists_are_one_config_error() -> None:
 
 def test_metrics_per_replica(tmp_path: object) -> None:
     from vllm_guard.core.protocol import ReplicaStatus, RuntimeState, StatusSnapshot
-    from vllm_guard.runtime.records.metrics import LedgerView, RuntimeCollector
+    from vllm_guard.runtime.servers.metrics import LedgerView, RuntimeCollector
 
     st = StatusSnapshot(state=RuntimeState.SERVING, state_for_s=1.0, generation=7, pid=1, port=8000, model="m",
                         replicas=[ReplicaStatus(index=0, state=RuntimeState.SERVING, generation=7, in_flight=3),

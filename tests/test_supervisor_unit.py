@@ -14,7 +14,7 @@ from vllm_guard.core.ledger import EndClass
 from vllm_guard.runtime.cli import find_owned_arg
 from vllm_guard.core.hang import HANG, ProgressWindow, Verdict
 from vllm_guard.runtime.records.recent import FailureRecord, Recent
-from vllm_guard.runtime.records.status import visible_gpu_name
+from vllm_guard.runtime.status.snapshot import visible_gpu_name
 from vllm_guard.runtime.supervisor import SLOW_TURN_S, slow_turn
 from vllm_guard.runtime.frontdoor.target import counts_toward_limit
 from vllm_guard.runtime.replica.triggers import GPU_MEMORY_GROWTH, HOST_RSS_GROWTH, IDLE_OPPORTUNISTIC, MAX_REQUESTS, MAX_UPTIME, Growth, Readings, generation_limit, limit_fraction, recycle_trigger

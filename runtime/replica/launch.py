@@ -19,9 +19,9 @@ from vllm_guard.core.config import GuardConfig, ServerConfig
 
 from ..child.backend import Backend, child_env, free_port
 from ..frontdoor.target import Target
-from ..records.writer import RuntimeLedger
 from .generation import Generation
 from .plan import ReplicaPlan
+from .ports import Ledger
 from .triggers import generation_limit
 
 log = structlog.get_logger("vllm_guard.supervisor")
@@ -45,7 +45,7 @@ def prune_logs(logs: Path) -> None:
 
 
 class Launcher:
-    def __init__(self, cfg: GuardConfig, model: str, python: str, state_dir: Path, ledger: RuntimeLedger,
+    def __init__(self, cfg: GuardConfig, model: str, python: str, state_dir: Path, ledger: Ledger,
                  plans: Sequence[ReplicaPlan], next_number: Callable[[], int]) -> None:
         self.cfg, self.model, self.python, self.state_dir, self.ledger = cfg, model, python, state_dir, ledger
         self.plans = {p.index: p for p in plans}

@@ -3,18 +3,22 @@
 The driver never sees the supervisor: it launches generations through a `Spawner`, routes
 through a `Door` (the proxy), records through `Books` (the ledger and the bounded records),
 starts watchers through `Watchers` and tells the runtime what only the runtime acts on through
-`Hub`. Tests give fakes of these; the runtime gives the real ones.
+`Hub`; a launch and the monitors write their rows through `Ledger`. Tests give fakes of these;
+the runtime gives the real ones (`records`, which imports the replica, never the other way).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from vllm_guard.core.ledger import EndClass
 
 from ..frontdoor.target import Target
 from .generation import Generation
 from .machine import Recycle
+
+if TYPE_CHECKING:
+    from vllm_guard.core.protocol import MemoryReading
 
 
 class Spawner(Protocol):
@@ -42,6 +46,20 @@ class Door(Protocol):
 
     def queue_mark(self) -> int:
         """The queue's high-water mark since the last call (it starts again from now)."""
+
+
+class Ledger(Protocol):
+    """The rows a generation's launch and its monitors write (`records.writer.RuntimeLedger`:
+    queued, never blocking)."""
+
+    def generation_started(self, generation: int, pid: int, pid_started: float | None, model: str,
+                           replica: int = 0, strategy: str | None = None) -> int:
+        """Its row's id."""
+
+    def generation_progress(self, row: int, requests_served: int) -> None: ...
+
+    def process_memory(self, generation: int, replica: int, reading: MemoryReading,
+                       host_available_mb: float | None = None, gpu_free_mb: float | None = None) -> None: ...
 
 
 class Books(Protocol):

@@ -24,7 +24,7 @@ from ..frontdoor.proxy import Proxy
 from ..replica.driver import ReplicaDriver
 from ..replica.generation import Generation
 from ..replica.machine import COARSE, TAKING_OVER_STATES
-from .books import RuntimeBooks
+from ..records.books import RuntimeBooks
 
 _REACHABLE = frozenset({RuntimeState.STARTING, RuntimeState.SERVING, RuntimeState.DRAINING})
 _PARKED = "parked"
