@@ -8,8 +8,12 @@ completed requests, ITL as each streamed request's mean gap between chunks) — 
 ledger's life (`edge_minutes`). A failed request met no latency bound (the report counts it as
 infinitely slow); a rejected one (refused: a client error, a hold, shutdown) or one whose
 client left has no latency of the service. One row per request (`edge_requests`) is kept for
-`[ledger] request_retention`. Both go to the ledger's writer thread in batches: a minute once it
-has closed (a few seconds late, for stragglers), rows once a second or every ROWS_BATCH.
+`[ledger] request_retention`. Both go to the ledger's writer thread in batches, once a second
+(rows also every ROWS_BATCH): a minute's row is written as soon as a request ended in it and
+rewritten in place (its id is the runtime's) as it fills, until a few seconds after it closed
+(stragglers). So the live ledger is never more than a second behind what status counts: a
+report on a running service shows its requests (a minute written only once it had closed left
+`vllm-guard report` saying "no requests recorded" for up to 65 s, and a killed runtime lost it).
 
 Memory (`memory`, from the memory monitor every `memory_interval`): one row per process (RSS,
 USS, swap, GPU, with the host's available and the GPUs' least free memory read with it: the
@@ -42,6 +46,9 @@ class Sink(Protocol):
 
     def put_rows(self, sql: str, rows: Callable[[], list[tuple[Any, ...]]], what: str) -> None: ...
 
+    def new_id(self, table: str) -> int:
+        """A row id for a row written, then rewritten in place."""
+
 MINUTE_S = 60
 GRACE_S = 5.0  # a minute is written this long after it ended (requests still ending in it)
 ROWS_BATCH = 256
@@ -52,9 +59,9 @@ REASON_MAX = 200
 _REQUEST_SQL = ("INSERT INTO edge_requests (arrived, request_id, replica, generation, outcome, status, reason, "
                 "stream, resumed, ttft_s, e2e_s, chunks, itl_mean_s, itl_max_s, prompt_tokens, completion_tokens) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
-_MINUTE_SQL = ("INSERT INTO edge_minutes (minute, replica, requests, completed, failed, rejected, disconnected, "
-               "prompt_tokens, completion_tokens, usage_known, ttft, e2e, itl) "
-               "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_MINUTE_SQL = ("INSERT OR REPLACE INTO edge_minutes (id, minute, replica, requests, completed, failed, rejected, "
+               "disconnected, prompt_tokens, completion_tokens, usage_known, ttft, e2e, itl) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 _MEMORY_SQL = ("INSERT INTO process_memory (at, replica, generation, pid, role, requests, rss_mb, uss_mb, swap_mb, "
                "gpu_mb, host_available_mb, gpu_free_mb) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 
@@ -68,8 +75,10 @@ def itl_mean(r: RequestDone) -> float | None:
 
 @dataclass
 class Minute:
-    """One replica's requests that ended in one minute."""
+    """One replica's requests that ended in one minute: one row, rewritten as it fills."""
 
+    row_id: int = 0  # its edge_minutes row
+    written: bool = True  # its row holds every request so far
     requests: int = 0
     outcomes: dict[Outcome, int] = field(default_factory=lambda: {o: 0 for o in Outcome})
     prompt_tokens: int = 0
@@ -80,6 +89,7 @@ class Minute:
     itl: Histogram = field(default_factory=Histogram)
 
     def add(self, r: RequestDone) -> None:
+        self.written = False
         self.requests += 1
         self.outcomes[r.outcome] += 1
         if r.prompt_tokens is not None:
@@ -98,8 +108,10 @@ class Minute:
             self.itl.add(gap)
 
     def row(self, minute: int, replica: int) -> tuple[Any, ...]:
+        """Its row as it stands (a copy: the writer thread reads it later)."""
         o = self.outcomes
-        return (minute, replica, self.requests, o[Outcome.COMPLETED], o[Outcome.FAILED], o[Outcome.REJECTED],
+        self.written = True
+        return (self.row_id, minute, replica, self.requests, o[Outcome.COMPLETED], o[Outcome.FAILED], o[Outcome.REJECTED],
                 o[Outcome.CLIENT_DISCONNECTED], self.prompt_tokens, self.completion_tokens, self.usage_known,
                 self.ttft.to_json(), self.e2e.to_json(), self.itl.to_json())
 
@@ -131,15 +143,14 @@ class TrafficRecorder:
             key = (minute, r.replica or 0)
             m = self._minutes.get(key)
             if m is None:
-                m = self._minutes[key] = Minute()
+                m = self._minutes[key] = Minute(self.ledger.new_id("edge_minutes"))
                 self._later("_timer", minute + MINUTE_S + GRACE_S - self.clock(), self._tick)
             m.add(r)
             if self.retention_s > 0:
                 self._rows.append(request_row(r))
                 if len(self._rows) >= ROWS_BATCH:
                     self._flush_rows()
-                else:
-                    self._later("_rows_timer", ROWS_EVERY_S, self._tick)
+            self._later("_rows_timer", ROWS_EVERY_S, self._tick)  # the minute's row, the rows so far
 
     def _later(self, name: str, delay: float, fn: Callable[[], None]) -> None:
         """One pending call per timer (on the running loop; none outside one: flushed at close)."""
@@ -159,11 +170,13 @@ class TrafficRecorder:
         self.flush()
 
     def flush(self, everything: bool = False) -> None:
-        """Queue closed minutes (every minute with `everything`) and the rows so far."""
+        """Queue the minutes that took requests since they were last written (open ones too, as
+        they stand) and the rows so far; forget the minutes that closed (all with `everything`)."""
         now = self.clock()
         with self._lock:
-            done = [k for k in self._minutes if everything or k[0] + MINUTE_S + GRACE_S <= now]
-            rows = [self._minutes.pop(k).row(*k) for k in sorted(done)]
+            rows = [m.row(*k) for k, m in sorted(self._minutes.items()) if not m.written]
+            for k in [k for k in self._minutes if everything or k[0] + MINUTE_S + GRACE_S <= now]:
+                del self._minutes[k]
             if rows:
                 self.ledger.put_rows(_MINUTE_SQL, lambda: rows, f"{len(rows)} minute(s) of requests")
             self._flush_rows()

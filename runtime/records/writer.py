@@ -44,7 +44,8 @@ log = structlog.get_logger("vllm_guard.ledger")
 MAX_PENDING = 10_000  # beyond this the oldest queued write is dropped (and counted as failed)
 RETRY_MIN_S, RETRY_MAX_S = 0.2, 5.0
 PERMANENT_TRIES = 3  # a write that fails this often with a non-transient error (a corrupt page) is dropped
-RUNTIME_TABLES = ("generations", "recycles", "failures")
+# The tables whose row ids the runtime gives out itself (an update needs no answer from the database).
+RUNTIME_TABLES = ("generations", "recycles", "failures", "edge_minutes")
 # Errors that go away by themselves: another process holds the lock, the disk is full, I/O failed.
 _TRANSIENT = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_FULL", "SQLITE_IOERR", "SQLITE_CANTOPEN", "SQLITE_READONLY",
               "SQLITE_PROTOCOL", "SQLITE_NOMEM")
@@ -147,11 +148,21 @@ class RuntimeLedger:
 
     @staticmethod
     def _max_id(conn: sqlite3.Connection, table: str) -> int:
-        return int(conn.execute(f"SELECT COALESCE(MAX(id), 0) FROM {table}").fetchone()[0])
+        try:
+            return int(conn.execute(f"SELECT COALESCE(MAX(id), 0) FROM {table}").fetchone()[0])
+        except sqlite3.OperationalError:
+            if table != "edge_minutes":  # an older ledger read while locked at start may lack it
+                raise
+            return 0
 
     def _next_id(self, table: str) -> int:
         self._ids[table] += 1
         return self._ids[table]
+
+    def new_id(self, table: str) -> int:
+        """A row id of one of RUNTIME_TABLES for a row written, then rewritten in place (the
+        traffic recorder's open minutes); on the event loop, like every write."""
+        return self._next_id(table)
 
     # -- the writer thread -------------------------------------------------------------------
     def _put(self, sql: str, params: tuple[Any, ...], what: str,
