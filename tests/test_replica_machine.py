@@ -1,6 +1,9 @@
 """The replica's state machine as a table: every (state, event) pair finds a transition or an
-asserted refusal, and every transition `decide` makes is one the table allows. Pure: views in,
-decisions out, no driver (that is tests/test_replica_driver.py)."""
+asserted refusal, every transition `decide` makes is one the table allows, and every edge of the
+table is taken by a case here (`EDGE_CASES` for those no (state, event) pair takes: a start that
+is ready, a recycle with a strategy, a standby, a successor that parks or exits...), which a test
+checks by recording the transitions. Pure: views in, decisions out, no driver (that is
+tests/test_replica_driver.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import pytest
 from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.ledger import EndClass
 from vllm_guard.runtime.replica.decide import ViewMismatch, decide
+from vllm_guard.runtime.replica.strategy import MemoryFit
 from vllm_guard.runtime.replica.machine import (
     COARSE, FINAL, INITIAL, RECYCLABLE_STATES, RESTARTABLE_STATES, TRANSITIONS, IllegalTransition, Machine, Recycle,
     State, Wanted, aggregate, rolling,
@@ -171,6 +175,113 @@ def test_decide_takes_a_restart_or_recycle_in_exactly_the_named_states(state: St
         v, event = event_of(name, view_of(state))
         d = decide(v, event, NOW)  # type: ignore[arg-type]
         assert d.reply is not None and d.reply.accepted == (state in states), (name, d.reply)
+
+
+# -- the edges no (state, event) pair above takes -------------------------------------------------
+GIB = 1024.0
+FITS = MemoryFit(host_available_mb=20 * GIB, host_footprint_mb=3 * GIB, parked_mb=1.5 * GIB)  # two fit
+BUSY = Machine(state=S.SERVING, entered=True, recycle=REC)  # another replica, recycling
+Case = tuple[ReplicaView, object]
+
+
+def with_(state: State, event: object = None, machine: dict[str, object] | None = None,
+          current: dict[str, object] | None = None, successor: GenView | None = None, busy_peer: bool = False,
+          **fact: object) -> Case:
+    """`view_of(state)` changed: fields of its machine, its current generation, a successor, facts."""
+    v = view_of(state)
+    if machine:
+        v = replace(v, machine=replace(v.machine, **machine))  # type: ignore[arg-type]
+    if current:
+        v = replace(v, current=replace(v.current, **current))  # type: ignore[arg-type]
+    if successor is not None:
+        v = replace(v, successor=successor)
+    if busy_peer:
+        fact["peers"] = (v.machine, BUSY)
+    if fact:
+        v = replace(v, facts=replace(v.facts, **fact))  # type: ignore[arg-type]
+    return v, Tick() if event is None else event
+
+
+GONE = {"alive": (), "gone": True}  # a stopped generation whose processes and memory are gone
+PARKED = gen(2, GenPhase.BOOTING, gated=True, gate="parked", beside=True)
+UNGATED = gen(2, GenPhase.BOOTING, beside=True)
+EXITED = gen(2, GenPhase.BOOTING, beside=True, exit_code=1)
+
+EDGE_CASES: dict[str, tuple[State, State, Case]] = {
+    "a cold start is ready": (S.STARTING, S.SERVING, with_(S.STARTING, current={"ready_at": NOW})),
+    "a start past its gate is ready": (S.PAST_GATE, S.SERVING, with_(S.PAST_GATE, current={"ready_at": NOW})),
+    "a serving generation keeps a standby": (S.SERVING, S.STANDBY, with_(S.SERVING, current={"fit": FITS})),
+    "an overlap recycle": (S.SERVING, S.OVERLAP_STARTING, with_(S.SERVING, RecycleCmd("op", strategy="overlap"))),
+    "a gated recycle": (S.SERVING, S.GATED_PARKING, with_(S.SERVING, RecycleCmd("op", strategy="gated"))),
+    "a recycle while another replica recycles": (
+        S.SERVING, S.WAITING_TURN, with_(S.SERVING, RecycleCmd("op"), busy_peer=True)),
+    "a recycle overlaps beside the standby": (
+        S.STANDBY, S.OVERLAP_STARTING, with_(S.STANDBY, RecycleCmd("op", strategy="overlap"))),
+    "a recycle uses the parked standby": (S.STANDBY, S.UNREADY, with_(S.STANDBY, RecycleCmd("op"), successor=PARKED)),
+    "a recycle with a standby waits its turn": (
+        S.STANDBY, S.WAITING_TURN, with_(S.STANDBY, RecycleCmd("op"), busy_peer=True)),
+    "its turn came: overlap": (S.WAITING_TURN, S.OVERLAP_STARTING, with_(
+        S.WAITING_TURN, machine={"wanted": Wanted("max_requests", EndClass.SCHEDULED, "overlap")}, peers=())),
+    "its turn came: gated": (S.WAITING_TURN, S.GATED_PARKING, with_(
+        S.WAITING_TURN, machine={"wanted": Wanted("max_requests", EndClass.SCHEDULED, "gated")}, peers=())),
+    "its turn came: cold": (S.WAITING_TURN, S.UNREADY, with_(
+        S.WAITING_TURN, machine={"wanted": Wanted("max_requests", EndClass.SCHEDULED, "cold")}, peers=())),
+    "the overlap successor exits: cold": (S.OVERLAP_STARTING, S.UNREADY, with_(S.OVERLAP_STARTING, successor=EXITED)),
+    "the gated successor parks": (S.GATED_PARKING, S.UNREADY, with_(
+        S.GATED_PARKING, successor=replace(PARKED, spawned_at=NOW - 10))),
+    "stopped: the next starts cold": (S.STOPPING, S.STARTING, with_(S.STOPPING, current=GONE)),
+    "stopped while held": (S.STOPPING, S.HELD, with_(S.STOPPING, current=GONE, hold="maintenance")),
+    "stopped: the parked successor's gate opens next": (
+        S.STOPPING, S.OPENING_GATE, with_(S.STOPPING, current=GONE, successor=PARKED)),
+    "held at the gate": (S.OPENING_GATE, S.HELD, with_(S.OPENING_GATE, hold="maintenance")),
+    "room at the gate: it opens": (S.OPENING_GATE, S.PAST_GATE, with_(S.OPENING_GATE, gpu_room=True)),
+    "killed: back off": (S.FAILING, S.BACKOFF, with_(S.FAILING, current=GONE)),
+    "killed while held": (S.FAILING, S.HELD, with_(S.FAILING, current=GONE, hold="maintenance")),
+    "killed: the parked standby's gate opens": (
+        S.FAILING, S.OPENING_GATE, with_(S.FAILING, current=GONE, successor=PARKED)),
+    "killed: the starting successor takes over": (
+        S.FAILING, S.STARTING, with_(S.FAILING, current=GONE, successor=UNGATED)),
+    "backed off: start again": (S.BACKOFF, S.STARTING, with_(S.BACKOFF, machine={"deadline": NOW - 1})),
+}
+
+
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+def test_each_edge_case_takes_its_edge(name: str) -> None:
+    frm, to, (v, event) = EDGE_CASES[name]
+    d = decide(v, event, NOW)  # type: ignore[arg-type]
+    assert v.machine.state is frm and d.machine.state is to, (d.machine.state, d.effects)
+    if d.reply is not None:
+        assert d.reply.accepted, d.reply
+
+
+def every_case() -> list[Case]:
+    """Every view and event of this file's transition cases: the (state, event) grid, the edge
+    cases, the first looks."""
+    out = [event_of(name, view_of(state)) for state in State for name in EVENTS]
+    out += [case for _, _, case in EDGE_CASES.values()]
+    fresh = ReplicaView(machine=Machine(), facts=facts())
+    out += [(fresh, Tick()), (replace(fresh, facts=facts(hold="x")), Tick()),
+            (replace(fresh, facts=facts(stopping=True)), Tick())]
+    return out
+
+
+def test_every_edge_of_the_table_is_taken_by_a_case_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table's edges (and its initial states) are exactly the transitions `decide` makes
+    over this file's cases: none is left to the simulated world's scenarios alone."""
+    taken: set[tuple[State | None, State]] = set()
+    real = Machine.to
+
+    def to(self: Machine, new: State, now: float, timeout: float | None = None, **changes: object) -> Machine:
+        taken.add((self.state if self.entered else None, new))
+        return real(self, new, now, timeout, **changes)
+
+    monkeypatch.setattr(Machine, "to", to)
+    for v, event in every_case():
+        decide(v, event, NOW)  # type: ignore[arg-type]
+    edges = {(a, b) for a, bs in TRANSITIONS.items() for b in bs} | {(None, s) for s in INITIAL}
+    missing = sorted(f"{a.value if a else '(first look)'} -> {b.value}" for a, b in edges - taken)
+    assert not missing, f"{len(missing)} of {len(edges)} edges taken by no case: {missing}"
+    assert taken <= edges
 
 
 def test_a_crash_is_recorded_and_killed_in_every_state_with_a_serving_generation() -> None:
