@@ -235,7 +235,8 @@ class World:
     # -- the box -----------------------------------------------------------------------------
     def facts(self, d: ReplicaDriver) -> Facts:
         return Facts(cfg=self.cfg, index=d.index, peers=tuple(x.machine for x in self.drivers),
-                     stopping=self.shutting_down, hold=self.hold, failures_in_window=self.books.in_window(self.now), gate_unavailable=self.learned_gate,
+                     stopping=self.shutting_down, hold=self.hold, failures_in_window=self.books.in_window(self.now),
+                     gate_unavailable=self.learned_gate,
                      starts=self.starts.get(d.index, StartHistory()), gpu_room=d.gpu_room, nvml=self.nvml,
                      standby_failures=self.standby_failures.get(d.index, 0),
                      ready_sent=self.ready_sent)

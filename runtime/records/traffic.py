@@ -111,9 +111,9 @@ class Minute:
         """Its row as it stands (a copy: the writer thread reads it later)."""
         o = self.outcomes
         self.written = True
-        return (self.row_id, minute, replica, self.requests, o[Outcome.COMPLETED], o[Outcome.FAILED], o[Outcome.REJECTED],
-                o[Outcome.CLIENT_DISCONNECTED], self.prompt_tokens, self.completion_tokens, self.usage_known,
-                self.ttft.to_json(), self.e2e.to_json(), self.itl.to_json())
+        return (self.row_id, minute, replica, self.requests, o[Outcome.COMPLETED], o[Outcome.FAILED],
+                o[Outcome.REJECTED], o[Outcome.CLIENT_DISCONNECTED], self.prompt_tokens, self.completion_tokens,
+                self.usage_known, self.ttft.to_json(), self.e2e.to_json(), self.itl.to_json())
 
 
 def request_row(r: RequestDone) -> tuple[Any, ...]:
