@@ -156,7 +156,8 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 
 
 # -- the replica's machine decides; nobody else decides again ------------------------------------
-DECIDERS = {"runtime/replica/decide.py", "runtime/replica/machine.py", "runtime/replica/strategy.py"}
+DECIDERS = {"runtime/replica/decide.py", "runtime/replica/steps.py", "runtime/replica/machine.py",
+            "runtime/replica/strategy.py"}
 MACHINE_ENUMS = {"State", "S", "Strategy"}  # the replica's own states (not the coarse RuntimeState), strategies
 MAPPINGS = {"dict", "Dict", "Mapping", "MutableMapping", "defaultdict", "OrderedDict"}
 # What `decide` keeps between two looks and nobody else reads: a recycle under way, one wanted,
@@ -333,7 +334,7 @@ def test_the_decision_check_lets_readers_read() -> None:
 
 def test_the_deciders_and_the_driver_hold_no_assert() -> None:
     """`python -O` drops asserts: a precondition of `decide` is a narrowing that raises
-    (`decide.ViewMismatch`) or a type that guarantees it."""
+    (`steps.ViewMismatch`) or a type that guarantees it."""
     bad = [f"{rel}:{n.lineno}: {ast.unparse(n)[:80]}" for rel in sorted(DECIDERS | ADMISSION_CARRIERS)
            for n in ast.walk(ast.parse((ROOT / rel).read_text())) if isinstance(n, ast.Assert)]
     assert not bad, "\n".join(bad)

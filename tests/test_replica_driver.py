@@ -100,7 +100,7 @@ def test_a_recycle_asked_for_before_the_first_memory_reading_waits_for_it_not_co
 def test_without_any_memory_reading_a_recycle_waits_at_most_so_long(tmp_path: Path) -> None:
     """No reading ever (the monitor cannot read): after READING_WAIT_S the recycle goes on,
     cold, as `auto` must without readings."""
-    from vllm_guard.runtime.replica.decide import READING_WAIT_S
+    from vllm_guard.runtime.replica.steps import READING_WAIT_S
 
     async def scenario(w: World) -> None:
         w.reading_after_s = 1e9

@@ -13,7 +13,8 @@ import pytest
 
 from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.ledger import EndClass
-from vllm_guard.runtime.replica.decide import ViewMismatch, decide
+from vllm_guard.runtime.replica.decide import decide
+from vllm_guard.runtime.replica.steps import ViewMismatch
 from vllm_guard.runtime.replica.strategy import MemoryFit
 from vllm_guard.runtime.replica.machine import (
     COARSE, FINAL, INITIAL, RECYCLABLE_STATES, RESTARTABLE_STATES, TRANSITIONS, IllegalTransition, Machine, Recycle,

@@ -191,7 +191,7 @@ class ReplicaDriver:
         self.retiring.append(nxt)
         from vllm_guard.core.ledger import EndClass
 
-        from .decide import KILL_WAIT_S
+        from .steps import KILL_WAIT_S
         await self._stop(Stop(nxt.number, kill=True, deadline=self.clock() + KILL_WAIT_S,
                               reason=f"abandoned: {e.why}"[:200], cls=EndClass.SCHEDULED))
         return None
