@@ -383,8 +383,6 @@ FLOORS = ("child", "frontdoor", "replica", "records", "status", "servers")
 FLOOR_EXCEPTIONS = {
     # the state dir's layout has one home, runtime/statedir.py, above the floors
     ("vllm_guard.runtime.child.backend", "vllm_guard.runtime.statedir"),
-    # monitors.py is being changed elsewhere: its ledger annotation moves to replica.ports.Ledger
-    ("vllm_guard.runtime.replica.monitors", "vllm_guard.runtime.records.writer"),
 }
 
 

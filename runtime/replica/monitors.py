@@ -27,9 +27,9 @@ from vllm_guard.core.stats import theil_sen, time_to_exhaust
 
 from ..child import procs
 from ..child.anatomy import Anatomy
-from ..records.writer import RuntimeLedger
 from .generation import Generation
 from .plan import memory_fit, prestage_mb, start_fits
+from .ports import Ledger
 from .triggers import Growth
 
 if TYPE_CHECKING:
@@ -201,7 +201,7 @@ class MemoryIO:
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
 
 
-async def memory_loop(gen: Generation, cfg: GuardConfig, nvml: NvmlSession | None, ledger: RuntimeLedger,
+async def memory_loop(gen: Generation, cfg: GuardConfig, nvml: NvmlSession | None, ledger: Ledger,
                       gpus: list[str], wake: Callable[[], None], io: MemoryIO = MemoryIO()) -> None:
     """Read the tree's memory every `memory_interval`; the growth baseline is taken as warm-up
     ends (`core.leak.warmed_up`, checked every 50 ms, so a fast leak does not hide in a late
@@ -379,7 +379,7 @@ class MonitorKit:
     life, each a task that notes what it sees on the generation and wakes the loop."""
 
     def __init__(self, cfg: GuardConfig, http: aiohttp.ClientSession, nvml: NvmlSession | None,
-                 ledger: RuntimeLedger, state_dir: Path, gpus_of: Callable[[int], list[str]],
+                 ledger: Ledger, state_dir: Path, gpus_of: Callable[[int], list[str]],
                  on_probe: Callable[[ProbeSummary], None], on_version: Callable[[str], None],
                  wake: Callable[[], None]) -> None:
         self.cfg, self.http, self.nvml, self.ledger, self.state_dir = cfg, http, nvml, ledger, state_dir
