@@ -139,3 +139,28 @@ def test_a_corrupt_page_costs_the_write_that_needs_it_and_nothing_else(tmp_path:
         assert outside.execute("SELECT detail FROM failures").fetchall() == [("after",)]
     finally:
         outside.close()
+
+
+def test_a_many_row_write_on_a_full_database_waits_for_room_and_is_not_dropped(tmp_path: Path) -> None:
+    """The traffic recorder's batches (request rows, minutes, memory readings) are one
+    transaction each. SQLite rolls such a transaction back by itself when the database is full,
+    so the writer's own ROLLBACK must not run then: its "no transaction is active" is not
+    transient and would get the batch dropped after three tries (seen: `failed_writes` 1 after a
+    full disk under load). A real full database: `max_page_count` caps the file, no root needed."""
+    led = RuntimeLedger(tmp_path)
+    led.put("CREATE TABLE scratch (x BLOB)", (), "scratch table")
+    wait(lambda: led.health().pending_writes == 0)
+    assert led.conn is not None
+    pages = led.conn.execute("PRAGMA page_count").fetchone()[0]
+    led.conn.execute(f"PRAGMA max_page_count = {pages + 2}")
+    led.put_rows("INSERT INTO scratch (x) VALUES (?)", lambda: [(b"x" * 4000,)] * 50, "50 rows")
+    wait(lambda: not led.health().ok)
+    h = led.health()
+    assert h.last_error and "full" in h.last_error, h
+    time.sleep(3 * RETRY_MAX_S)  # more than PERMANENT_TRIES retries while full: still kept
+    h = led.health()
+    assert not h.ok and h.pending_writes == 1 and h.failed_writes == 0, h
+    led.conn.execute("PRAGMA max_page_count = 1073741823")
+    wait(lambda: led.health().ok and led.health().pending_writes == 0, 60)
+    assert led.close() and led.health().failed_writes == 0
+    assert rows(tmp_path, "SELECT COUNT(*) FROM scratch") == [(50,)]

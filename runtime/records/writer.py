@@ -200,7 +200,11 @@ class RuntimeLedger:
             self.conn.executemany(w.sql, rows)
             self.conn.execute("COMMIT")
         except BaseException:
-            self.conn.execute("ROLLBACK")
+            # SQLITE_FULL (and SQLITE_NOMEM, some I/O errors) roll the transaction back
+            # themselves: a ROLLBACK then fails with "no transaction is active", a non-transient
+            # error that would hide the real one and get the write dropped
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
             raise
 
     def _run(self) -> None:
