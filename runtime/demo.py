@@ -108,15 +108,13 @@ def run_demo(state_dir: str | None, port: int | None, total: int) -> int:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     log_path = sd / "guard.log"
     sd.mkdir(parents=True, exist_ok=True)
-    # The demo's limit is tiny so that it recycles within a minute; the default overrun (half the
-    # limit: 8 requests, seconds of this load) would end long before a successor's 35-100 s start
-    # on two cores, and the old generation would hand over with nothing serving. A real limit
-    # (thousands of requests) leaves it that room; here the old generation serves until its
-    # successor is ready. And `auto` on a small CPU box soon measures that the busy serving
-    # generation starves a start beside it, and then prefers the parked standby (a gap of the
-    # start after its gate, ~15 s here): the demo overlaps, as a GPU box with room would.
+    # The demo's limit is tiny so that it recycles within a minute; the old generation serves past
+    # it until its successor is ready (its memory is not urgent). `auto` on a small CPU box soon
+    # measures that the busy serving generation starves a start beside it, and then prefers the
+    # parked standby (a gap of the start after its gate, ~15 s here): the demo overlaps, as a GPU
+    # box with room would.
     conf = sd / "demo.toml"
-    conf.write_text('[server]\nrecycle_strategy = "overlap"\n[recycle]\nmax_requests_overrun = 100\n')
+    conf.write_text('[server]\nrecycle_strategy = "overlap"\n')
     cmd = [sys.executable, "-m", "vllm_guard.cli", "serve", "--config", str(conf), "--port", str(port),
            "--state-dir", str(sd),
            "--max-requests", str(max(total // 3, 4)), "--max-requests-jitter", "2",

@@ -119,8 +119,8 @@ HELP: dict[str, dict[str, str]] = {
         "memory_interval": "how often vLLM's memory is read",
         "idle_after": "no request for this long counts as idle (for idle_fraction)",
         "idle_fraction": "recycle early while idle once any limit is this far reached (0.8 = 80 %); 0: off",
-        "max_requests_overrun": "while its successor starts, a generation past max_requests may take this share "
-                                "of its limit more; then it drains anyway and the successor takes over when ready",
+        "max_requests_overrun": "only for a generation with no memory reading (else memory bounds the wait): while "
+                                "its successor starts, it may take this share of its limit more, then drains anyway",
     },
     "probe": {
         "interval": "time between probes of a serving generation",

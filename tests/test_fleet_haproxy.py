@@ -142,7 +142,11 @@ class Haproxy:
         end = time.monotonic() + timeout
         with httpx.Client(timeout=10.0) as c:
             while time.monotonic() < end:
-                c.get(self.url + "/v1/models")
+                try:
+                    c.get(self.url + "/v1/models")
+                except httpx.ConnectError:  # HAProxy has not bound its port yet (a loaded box)
+                    time.sleep(0.2)
+                    continue
                 if {"a", "b"} <= {q["srv"] for q in self.log.requests}:
                     return
                 time.sleep(0.2)

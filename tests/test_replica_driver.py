@@ -205,13 +205,16 @@ def test_a_successor_that_never_reaches_its_gate_fails_and_one_that_cannot_park_
 
 
 def test_a_late_overlap_successor_takes_over_after_the_old_one_drains(tmp_path: Path) -> None:
-    """The request limit's overrun is used up while the successor starts: the old generation
-    drains anyway; the successor is not thrown away, it takes over once ready."""
+    """With no memory reading of the serving generation, the request limit's overrun bounds the
+    wait: used up while the successor starts, the old generation drains anyway; the successor is
+    not thrown away, it takes over once ready."""
     c = cfg()
     c.recycle.max_requests = 100
     c.recycle.max_requests_overrun = 0.5
+    c.server.recycle_strategy = "overlap"  # (auto would wait for a reading first)
 
     async def scenario(w: World) -> None:
+        w.reading_after_s = 10_000.0  # nothing measured
         await serving(w)
         w.plans.append(Plan(ready_s=60.0))
         t = w.drivers[0].current.target
@@ -227,6 +230,53 @@ def test_a_late_overlap_successor_takes_over_after_the_old_one_drains(tmp_path: 
         await w.run_until(lambda: w.drivers[0].state is S.SERVING)
         assert w.drivers[0].current.number == 2 and not w.books.failures.total
         assert w.states()[-5:] == [S.OVERLAP_STARTING, S.DRAINING, S.STOPPING, S.STARTING, S.SERVING]
+
+    run(tmp_path, scenario, c)
+
+
+def test_a_slow_successor_is_waited_for_past_any_count_while_memory_is_not_urgent(tmp_path: Path) -> None:
+    """The H200 sequence: `--max-requests 300` at 10 req/s, the successor's start took longer than
+    the overrun's 150 requests, and the old generation stopped first (1.2 s without a serving
+    generation). With memory readings that show no growth toward a limit, the old generation
+    serves on past any count and the switch leaves no gap."""
+    c = cfg()
+    c.recycle.max_requests = 300
+    c.recycle.max_requests_overrun = 0.5
+
+    async def scenario(w: World) -> None:
+        await serving(w)
+        w.plans.append(Plan(beside_ready_s=40.0, ready_s=40.0))
+        t = w.drivers[0].current.target
+        t.dispatched = 300
+        await w.step()
+        assert w.drivers[0].state is S.OVERLAP_STARTING
+        for _ in range(38):  # 10 req/s: 380 more, far past 300 * 1.5
+            t.dispatched += 10
+            await w.step()
+            assert w.drivers[0].state is S.OVERLAP_STARTING, t.dispatched
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING)
+        assert w.drivers[0].current.number == 2
+        (rec,) = list(w.books.recycles)
+        assert rec.strategy == "overlap" and rec.downtime_s == 0.0, rec
+
+    run(tmp_path, scenario, c)
+
+
+def test_a_request_limit_recycle_with_a_forecast_waits_half_of_it(tmp_path: Path) -> None:
+    c = cfg()
+    c.recycle.max_requests = 100
+
+    async def scenario(w: World) -> None:
+        await serving(w)
+        w.plans.append(Plan(ready_s=500.0))
+        g = w.drivers[0].current
+        g.note_memory(g.memory, Growth(rss_mb=100.0), w.fit, to_limit_s=60.0)  # out of memory in a minute
+        g.target.dispatched = 100
+        began = w.now
+        await w.step()
+        assert w.drivers[0].state is S.OVERLAP_STARTING
+        await w.run_until(lambda: w.drivers[0].state is S.DRAINING)
+        assert 0.5 * 60.0 - 1.0 <= w.now - began <= 0.5 * 60.0 + 1.0
 
     run(tmp_path, scenario, c)
 
@@ -576,22 +626,22 @@ def test_a_standby_that_dies_is_replaced_and_is_no_failure_of_the_serving_genera
 def test_an_overlap_recycle_that_opened_a_booting_standbys_gate_takes_it_once_the_old_one_is_gone(
         tmp_path: Path) -> None:
     """A recycle begins while the standby still boots toward its gate: overlap opens the gate at
-    once, the request limit's overrun runs out, the old generation drains and stops. The standby
+    once, the memory forecast's half runs out, the old generation drains and stops. The standby
     then arrives at a gate already open and goes on (`opened`, never `parked`): the replica waits
     for it to be ready, not for a park that never comes (it waited out `gate_timeout`, then
     started cold, 5.6 minutes without service in `make demo`)."""
     c = standby_cfg()
     c.recycle.max_requests = 100
-    c.recycle.max_requests_overrun = 0.5
 
     async def scenario(w: World) -> None:
         w.plans += [Plan(), Plan(park_s=60.0, after_gate_s=2.0)]
         await w.run_until(lambda: w.drivers[0].state is S.STANDBY)
-        t = w.drivers[0].current.target
-        t.dispatched = 100
+        g = w.drivers[0].current
+        g.note_memory(g.memory, Growth(rss_mb=10.0), w.fit, to_limit_s=20.0)  # 10 s to wait, at most
+        g.target.dispatched = 100
         await w.step()
         assert w.drivers[0].state is S.OVERLAP_STARTING and w.gen(2).gate_report is None
-        t.dispatched = 150  # late: the old one drains while the standby still boots
+        # late by the forecast: the old one drains while the standby still boots
         await w.run_until(lambda: w.drivers[0].current is None or w.drivers[0].current.number == 2)
         took = await w.run_until(lambda: w.drivers[0].state is S.SERVING)
         assert w.drivers[0].current.number == 2 and w.gen(2).gate_report.state == "opened"

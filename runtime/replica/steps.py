@@ -11,7 +11,6 @@ from typing import TypeVar
 from vllm_guard.core.ledger import EndClass, FailureKind
 
 from ..child.death import same_cause
-from . import triggers
 from .machine import Machine, Recycle, State, Wanted, idle, rolling, serving_count
 from .strategy import AUTO, MemoryFit, Strategy, choose
 from .view import (
@@ -103,9 +102,11 @@ def begin_or_wait(v: ReplicaView, now: float, out: Out, reason: str, cls: EndCla
 
 
 def successor_deadline(v: ReplicaView, reason: str, now: float) -> float | None:
+    """How long the serving generation may wait for its successor, whatever the trigger: half the
+    time its memory forecast leaves before the memory runs out; None when its memory does not
+    grow toward a limit (then nothing is urgent: it serves until its successor is ready)."""
     cur = v.current
-    if reason in (triggers.GPU_MEMORY_GROWTH, triggers.HOST_RSS_GROWTH) and cur is not None \
-            and cur.to_limit_s is not None:
+    if cur is not None and cur.to_limit_s is not None:
         return now + URGENCY_SHARE * max(0.0, cur.to_limit_s)
     return None
 
