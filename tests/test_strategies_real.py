@@ -34,7 +34,6 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
 LIMIT = 30
-OVERRUN = 20.0  # the old generation may take 20 x its limit more while its successor starts
 EVERY_S = 1.0  # one request a second, at most 4 at once: the successor's start is not starved
 
 
@@ -102,7 +101,7 @@ def srv(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[G
     state = tmp_path_factory.mktemp("strategies")
     cfg = state / "guard.toml"
     # no load balancer in front of this box: no unready lead before the gated stop
-    cfg.write_text(f'[server]\nunready_lead = "0s"\n[recycle]\nmax_requests_overrun = {OVERRUN}\n')
+    cfg.write_text('[server]\nunready_lead = "0s"\n')
     s = GuardServer(tiny_model, state, args=["--config", str(cfg), "--recycle-strategy", "overlap",
                                              "--max-requests", str(LIMIT), "--probe-interval", "30s"])
     s.start()
@@ -130,8 +129,11 @@ def test_overlap_at_the_request_limit_leaves_no_moment_without_a_generation(srv:
     rec = recycle_rows(srv)[0]
     assert rec["trigger"] == "max_requests" and rec["strategy"] == "overlap", rec
     assert rec["downtime_s"] == 0.0 and rec["max_queued"] == 0, f"a stall during an overlap recycle: {rec}"
-    assert served_by(srv, rec["generation"]) <= LIMIT * (1 + OVERRUN) + 4  # + what was in flight
     ev = srv.events()
+    # the design's promise, not a count: its memory not urgent, the old generation served from
+    # its limit until its successor was ready, and was never handed over before
+    assert served_by(srv, rec["generation"]) >= LIMIT
+    assert not [e for e in ev if e.get("event") == "recycle_handover"], "the old generation stopped before the switch"
     begin = mono_of(next(e for e in ev if e.get("event") == "recycle_begin"))
     switched = mono_of(next(e for e in ev if e.get("event") == "generation_switched"))
     old = str(rec["generation"])
