@@ -1,7 +1,7 @@
 """The one MTBF: up time, unplanned events, MTBF with chi-square bounds, MTTR, availability.
 
 Every place that shows MTBF (the watchdog's exporter, `vllm-guard report` in text, JSON and
-HTML, `vllm-guard status`) calls `service_figures` on the runtime's tables, so they agree.
+HTML, the runtime's metrics port) calls `service_figures` on the runtime's tables, so they agree.
 
 Rules (GUIDE §3, MIL-HDBK-781 time-truncated test):
 - Up time is the sum of each generation's serving interval (ready -> end; serving -> now);

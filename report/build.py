@@ -5,7 +5,7 @@ Everything is answered from what the runtime records of production traffic (its 
 recycles and failures; every request at the proxy, per minute; its processes' memory); the
 watchdog's samples (GPU thermals, power, its memory forecasts) and a soak's own requests, when
 present, are shown and labelled as such. The `service` section is
-`core.reliability.service_figures`: the one MTBF, as the exporter and `vllm-guard status`
+`core.reliability.service_figures`: the one MTBF, as the exporter and the runtime's metrics port
 show it. Per replica too when the box runs several.
 """
 

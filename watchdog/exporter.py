@@ -1,7 +1,7 @@
 """Prometheus exporter: `vllm_guard_*` gauges and counters on their own registry, bound to
 loopback unless configured otherwise. Updated from each tick's verdicts, the runtime's typed
 status totals, and the ledger's reliability figures (`core.reliability.service_figures`: the
-same MTBF `vllm-guard report` and `vllm-guard status` show)."""
+same MTBF `vllm-guard report` and the runtime's metrics port show)."""
 
 from __future__ import annotations
 

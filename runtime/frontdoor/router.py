@@ -1,8 +1,9 @@
 """Where a request goes: the seam between the proxy and the supervisor.
 
-The proxy asks `pick()` for a target when it admits a request and calls `release()` when the
-request ends; it knows nothing else about generations or replicas. The supervisor `add`s a
-generation's target once it is ready and `stop`s it when it drains, fails or is replaced. Every
+The proxy's wait queue asks `pick()` for a target when a request is admitted, and the proxy calls
+`release()` when the request ends; it knows nothing else about generations or replicas. Each
+replica's driver `add`s a generation's target once it is ready and `stop`s it when it drains,
+fails or is replaced. Every
 decision about which target takes a request lives here:
 
 - least outstanding requests among the targets that accept; ties go to the one picked least

@@ -4,7 +4,9 @@ The driver never sees the supervisor: it launches generations through a `Spawner
 through a `Door` (the proxy), records through `Books` (the ledger and the bounded records),
 starts watchers through `Watchers` and tells the runtime what only the runtime acts on through
 `Hub`; a launch and the monitors write their rows through `Ledger`. Tests give fakes of these;
-the runtime gives the real ones (`records`, which imports the replica, never the other way).
+the runtime gives the real ones: the launcher and monitor kit (replica itself), the proxy (the
+door), the books and ledger writer (`records`, which imports the replica, never the other way)
+and the supervisor (the hub).
 """
 
 from __future__ import annotations
