@@ -151,7 +151,9 @@ def probe_cmd(python: str, *, init_amx: bool, pretend: bool, op: str | None) -> 
 def run_probe(cmd: Sequence[str], env: Mapping[str, str], timeout: float = PROBE_TIMEOUT_S,
               init_amx: bool = False) -> tuple[str | None, AttnProbeRun]:
     """Run one probe process; (vLLM's pick, the run)."""
-    env = {**env, "PYTHONFAULTHANDLER": "1", "VLLM_PLUGINS": ""}  # no plugin of ours (or anyone's) in it
+    # no plugin of ours (or anyone's) in it; one OpenMP thread, so a kernel that dies, dies in
+    # the thread whose Python frames name it (the permission AMX needs is the whole process's)
+    env = {**env, "PYTHONFAULTHANDLER": "1", "VLLM_PLUGINS": "", "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
     try:
         p = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout)

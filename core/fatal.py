@@ -4,7 +4,8 @@ A vLLM process (or the runtime's attention probe) killed by SIGILL, SIGSEGV, SIG
 SIGABRT with PYTHONFAULTHANDLER=1 writes "Fatal Python error: Illegal instruction", then each
 thread's frames, innermost first, the crashed one headed "Current thread ...". The frame that
 names the cause is the innermost of the crashed thread that is not torch's op dispatch
-(`torch/_ops.py` `__call__` calls every custom op). Pure: lines in, a `Dump` out; used by
+(`torch/_ops.py` `__call__` calls every custom op); where a kernel's own OpenMP thread crashed,
+the caller of the op that thread was running for. Pure: lines in, a `Dump` out; used by
 `runtime.child.death` (a generation's log) and `core.attn_isa` (the probe's stderr).
 """
 
@@ -55,35 +56,43 @@ def short_path(path: str) -> str:
 
 def first_dump(lines: Sequence[str]) -> Dump | None:
     """The first dump in `lines` (prefixes such as vLLM's "(Worker pid=9) " already removed),
-    else None. Its frame is the innermost non-dispatch frame of the thread that crashed; of the
-    first thread listed only when the dump names no current thread."""
+    else None. Its frame is the innermost non-dispatch frame of the thread that crashed. A kernel
+    that crashes in one of its OpenMP threads crashes in a thread Python does not know (no
+    "Current thread", or one with "<no Python frame>"): then the frame is the op's caller in the
+    thread that is inside a custom op (it passed through torch's dispatch), else the first
+    thread's innermost frame."""
     for i, text in enumerate(lines):
         m = _FATAL.match(text.strip())
         if m is None:
             continue
-        first, frame, where = "", "", ""  # where: "" before any header, "current", "other"
+        threads: list[tuple[bool, list[str], bool]] = []  # (crashed, frames, inside an op)
         for nxt in lines[i + 1:i + LOOK_AHEAD]:
             t = nxt.strip()
-            if _FATAL.match(t):
-                break  # the next dump
-            if _CURRENT.match(t):
-                where = "current"
-                continue
-            if _THREAD.match(t):
-                where = "other"
+            if _FATAL.match(t) or (threads and t.startswith("Extension modules")):
+                break  # the next dump, or the end of this one
+            if _CURRENT.match(t) or _THREAD.match(t):
+                threads.append((_CURRENT.match(t) is not None, [], False))
                 continue
             f = _FRAME.match(nxt)
-            if f is not None:
-                path = short_path(f.group("path"))
-                if path in DISPATCH:
-                    continue
-                found = f"{path}:{f.group('line')} {f.group('func')}"
-                if where == "current":
-                    frame = found
-                    break
-                first = first or found
-            elif where == "current" and (not t or t.startswith("Extension modules")):
-                break  # the crashed thread has no Python frame of its own
+            if f is None or not threads:
+                continue
+            crashed, frames, in_op = threads[-1]
+            path = short_path(f.group("path"))
+            if path in DISPATCH:
+                threads[-1] = (crashed, frames, in_op or not frames)
+                continue
+            frames.append(f"{path}:{f.group('line')} {f.group('func')}")
         what = m.group("what").strip()
-        return Dump(f"Fatal Python error: {what}", frame if where == "current" else first, SIGNALS.get(what))
+        return Dump(f"Fatal Python error: {what}", _cause(threads), SIGNALS.get(what))
     return None
+
+
+def _cause(threads: list[tuple[bool, list[str], bool]]) -> str:
+    crashed = [frames for cur, frames, _ in threads if cur]
+    if crashed and crashed[0]:
+        return crashed[0][0]
+    in_op = [frames for cur, frames, op in threads if op and frames and not cur]
+    if in_op:
+        return in_op[0][0]
+    listed = [frames for _, frames, _ in threads if frames]
+    return listed[0][0] if listed and not crashed else ""

@@ -125,3 +125,34 @@ def test_a_real_vllm_0_32_worker_killed_by_sigill_on_the_readiness_probe() -> No
     d = read(text, 0, "readiness probe")
     assert d.line(2) == ('generation 2 died before serving: worker killed by SIGILL in phase "readiness probe": '
                          'Fatal Python error: Illegal instruction at vllm/_custom_ops.py:3927 cpu_attention_with_kv_cache')
+
+
+# a kernel's OpenMP thread crashed: Python lists it as the current thread with no frame, or (a
+# thread it never knew) not at all; the cause is the op the Python thread is inside
+_OMP_MAIN = """\
+Thread 0x00007f00000002 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Thread 0x00007f00000001 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/_ops.py", line 1279 in __call__
+  File "/venv/lib/python3.11/site-packages/vllm/_custom_ops.py", line 3927 in cpu_attention_with_kv_cache
+  File "/src/vllm_guard/patches/attn_probe.py", line 57 in vllm_kernels
+"""
+
+
+def test_a_crash_in_a_kernels_own_thread_names_the_op_the_python_thread_is_inside() -> None:
+    from vllm_guard.core.fatal import first_dump
+
+    unknown = ["Fatal Python error: Illegal instruction", "", *_OMP_MAIN.splitlines(), "",
+               "Extension modules: torch._C (total: 1)"]
+    frameless = ["Fatal Python error: Illegal instruction", "", "Current thread 0x00007f00000003 (most recent call "
+                 "first):", "  <no Python frame>", "", *_OMP_MAIN.splitlines()]
+    for lines in (unknown, frameless):
+        d = first_dump(lines)
+        assert d is not None and d.signal == "SIGILL"
+        assert d.frame == "vllm/_custom_ops.py:3927 cpu_attention_with_kv_cache", lines
+    idle = ["Fatal Python error: Segmentation fault", "", "Current thread 0x3 (most recent call first):",
+            "  <no Python frame>", "", *_OMP_MAIN.splitlines()[:4]]
+    d = first_dump(idle)
+    assert d is not None and d.frame == "", "no thread is inside an op: the frame is not guessed"

@@ -189,9 +189,14 @@ class Backend:
         if self.uds is not None:
             self.uds.unlink(missing_ok=True)  # a killed runtime's; vLLM's bind fails on an existing path
         try:
+            # a process group of its own (killed as one), not a session of its own: Linux gives
+            # every session its own scheduler autogroup, and inside it vLLM-CPU's API server lost
+            # the cores to the worker's compute threads, so streams went 3-10 s without a byte
+            # (8 streams on 2 cores; 3 of 3 runs with a session of their own, 0 of 3 without).
+            # preexec_fn, not process_group=0: uvloop (the runtime's loop) refuses the latter
             self.proc = await asyncio.create_subprocess_exec(
                 *self.launch_command(), stdin=asyncio.subprocess.DEVNULL, stdout=fd, stderr=fd,
-                env=self.env, start_new_session=True,
+                env=self.env, preexec_fn=os.setpgrp,
             )
         finally:
             os.close(fd)
