@@ -138,6 +138,7 @@ async def storm(srv: GuardServer, n: int, max_tokens: int, fault: Any, after_fau
 def test_a_starved_engine_that_keeps_moving_is_not_a_hang(srv: GuardServer, poller: StatusPoller) -> None:
     """Every sequence slot taken by long streams: the 1-token probe waits behind them and times
     out, but vLLM's token counters move, so no probe counts toward a hang."""
+    since = time.monotonic()
     st = srv.status()
     gen = st["generation"]
 
@@ -155,6 +156,10 @@ def test_a_starved_engine_that_keeps_moving_is_not_a_hang(srv: GuardServer, poll
         results = asyncio.run(saturate())
         assert all(r.ok and r.completion_tokens == 4000 for r in results), [r.error for r in results]
         rounds += 1
+        # a probe sent late in the round times out, and is judged, after the streams ended
+        end = time.monotonic() + PROBE_TIMEOUT + PROBE_INTERVAL + 5.0
+        while not starved_probes() and time.monotonic() < end:
+            time.sleep(0.5)
     assert starved_probes(), "no probe ever waited behind the streams: the case was not exercised"
     st = srv.status()
     assert st["generation"] == gen and st["state"] == "serving" and st["failures"] == 0, st["recent_failures"]
