@@ -341,7 +341,9 @@ def newer_line(p: str | Path, version: int) -> str:
             f"(a newer vllm-guard wrote it)")
 
 
-def _refuse_newer(p: Path, version: int | None) -> None:
+def refuse_newer(p: Path, version: int | None) -> None:
+    """LedgerVersionError when `version` (the file's, `file_version`) is newer than ours: a
+    writer's check, before it writes anything."""
     if version is not None and version > SCHEMA_VERSION:
         raise LedgerVersionError(f"{newer_line(p, version)}; refusing to write it: upgrade vllm-guard or point "
                                  "it at another state dir")
@@ -427,7 +429,7 @@ def _upgrade(conn: sqlite3.Connection, p: Path, busy_timeout_s: float) -> None:
     conn.execute("BEGIN IMMEDIATE")
     try:
         old = stored_version(conn, p)  # again under the lock: another process may have moved it
-        _refuse_newer(p, old)
+        refuse_newer(p, old)
         bak = _backup(p, old, busy_timeout_s) if old is not None and old < SCHEMA_VERSION else None
         for stmt in _missing(conn):
             conn.execute(stmt)
@@ -460,7 +462,7 @@ def connect(path: str | Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite3
         except OSError:
             pass
     else:  # read-only, before WAL mode (which writes the header) or anything else
-        _refuse_newer(p, file_version(p))
+        refuse_newer(p, file_version(p))
     conn = sqlite3.connect(str(p), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
     try:
         conn.row_factory = sqlite3.Row
