@@ -5,20 +5,28 @@ Each writer owns its tables (`OWNERS`): the runtime writes `generations`, `recyc
 request for `[ledger] request_retention`; `edge_minutes`, per-minute counts and latency
 histograms for the ledger's life; `process_memory`, downsampled with age); the watchdog `samples`, `incidents`; the load generator `runs`, `requests` and
 the `soak_*` tables. Everyone may read everything. Times are ISO 8601 UTC text (sortable),
-durations seconds. Columns added after the first release are added to older files on open
-(`_MIGRATIONS`), so a newer guard reads and writes an older ledger.
+durations seconds.
+
+Versions share the file by `meta.schema_version` (`SCHEMA_VERSION`). A newer guard upgrades an
+older ledger on open: a backup copy beside it, then the missing tables and columns
+(`_MIGRATIONS`) and the new version in one transaction. An older guard never writes a newer
+ledger (`LedgerVersionError`, before it writes a byte); a report reads any version read-only.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+import re
 import sqlite3
+import stat
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .errors import GuardError
+from .errors import EXIT_USAGE, GuardError
+from .timefmt import utcnow
 
 LEDGER_NAME = "ledger.sqlite"
 SCHEMA_VERSION = 3
@@ -57,6 +65,14 @@ class FailureKind(str, enum.Enum):
 
 class LedgerError(GuardError):
     """The file is not a vllm-guard ledger, or cannot be opened."""
+
+
+class LedgerVersionError(LedgerError):
+    """The ledger was written by a newer vllm-guard (its schema_version is above ours): this one
+    must not write it. A config error, like a wrong state dir: exit 2, nothing started, the
+    file untouched."""
+
+    exit_code = EXIT_USAGE
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -285,17 +301,156 @@ def db_path(db: str | Path) -> Path:
     return p / LEDGER_NAME if p.is_dir() else p
 
 
-def _migrate(conn: sqlite3.Connection) -> None:
-    for table, cols in _MIGRATIONS.items():
-        have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
-        for col, ddl in cols.items():
-            if col not in have:
-                conn.execute(f"ALTER TABLE {table} ADD COLUMN {col} {ddl}")
-    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+def _ddl(script: str) -> tuple[tuple[str, str, str], ...]:
+    """`_SCHEMA` as (type, name, statement) per CREATE, in order (each one is run on its own)."""
+    out, buf = [], ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if not sqlite3.complete_statement(buf):  # a `;` in a comment does not end one
+            continue
+        stmt, buf = buf.strip(), ""
+        m = re.search(r"CREATE (TABLE|INDEX) IF NOT EXISTS (\w+)", stmt)
+        if m is None:
+            raise AssertionError(f"_SCHEMA: not a CREATE ... IF NOT EXISTS: {stmt[:60]!r}")
+        out.append((m[1].lower(), m[2], stmt))
+    if re.sub(r"--[^\n]*", "", buf).strip():
+        raise AssertionError(f"_SCHEMA: an unfinished statement: {buf.strip()[:60]!r}")
+    return tuple(out)
+
+
+_DDL = _ddl(_SCHEMA)
+
+
+def stored_version(conn: sqlite3.Connection, where: str | Path = "the ledger") -> int | None:
+    """The file's `schema_version`; None when it has no meta table or no version row (a new
+    file, or an SQLite file of something else)."""
+    if "meta" not in tables(conn):
+        return None
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    if row is None:
+        return None
+    try:
+        return int(row[0])
+    except (TypeError, ValueError):
+        raise LedgerError(f"{where}: schema_version has value {row[0]!r}: not an integer") from None
+
+
+def newer_line(p: str | Path, version: int) -> str:
+    """The one line that says a ledger is of a newer schema than this vllm-guard's."""
+    return (f"{p} has schema_version {version}, newer than this vllm-guard's {SCHEMA_VERSION} "
+            f"(a newer vllm-guard wrote it)")
+
+
+def refuse_newer(p: Path, version: int | None) -> None:
+    """LedgerVersionError when `version` (the file's, `file_version`) is newer than ours: a
+    writer's check, before it writes anything."""
+    if version is not None and version > SCHEMA_VERSION:
+        raise LedgerVersionError(f"{newer_line(p, version)}; refusing to write it: upgrade vllm-guard or point "
+                                 "it at another state dir")
+
+
+def _uri(p: Path, mode: str) -> str:
+    return f"file:{urllib.parse.quote(str(p.resolve()))}?{mode}"
+
+
+def file_version(path: str | Path) -> int | None:
+    """The `schema_version` of an existing ledger file, read without writing a byte in it or
+    beside it; None for a new or empty file, or one that is not SQLite (`connect` says why).
+
+    A plain read-only open of a WAL database creates `-wal` and `-shm` and leaves them. With
+    no `-wal` beside the file no process has it open and every commit is in the file itself,
+    so it is read `immutable` (nothing created); with one, a read-only open adds nothing new."""
+    p = db_path(path)
+    mode = "mode=ro" if p.with_name(p.name + "-wal").exists() else "immutable=1"
+    try:
+        conn = sqlite3.connect(_uri(p, mode), uri=True, timeout=BUSY_TIMEOUT_S)
+        try:
+            return stored_version(conn, p)
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError:
+        return None
+
+
+def _missing(conn: sqlite3.Connection) -> list[str]:
+    """What this file lacks of `_SCHEMA`: the columns of `_MIGRATIONS` on tables it has, then
+    the tables and indexes it has not (created whole), in `_SCHEMA`'s order."""
+    have = {(r[0], r[1]) for r in conn.execute("SELECT type, name FROM sqlite_master")}
+    out = [f"ALTER TABLE {table} ADD COLUMN {col} {ddl}"
+           for table, cols in _MIGRATIONS.items() if ("table", table) in have
+           for col, ddl in cols.items() if col not in columns(conn, table)]
+    return out + [stmt for kind, name, stmt in _DDL if (kind, name) not in have]
+
+
+def backup_path(p: Path, version: int) -> Path:
+    """Where the copy of a ledger of `version` is kept before it is migrated."""
+    return p.with_name(f"{p.name}.v{version}.bak")
+
+
+def _backup(p: Path, version: int, busy_timeout_s: float) -> Path:
+    """Copy the ledger as it is before its migration to `backup_path`, a self-contained file
+    (no -wal) an older vllm-guard opens as it was.
+
+    Through SQLite's online backup API (`Connection.backup`), not a file copy: a `cp` of a WAL
+    database misses what is committed in `-wal` and may catch a page mid-checkpoint; the API
+    copies one consistent snapshot through SQLite's own locks. It runs while the migrating
+    connection holds the write lock with nothing written yet, so the copy is exactly what is
+    migrated, from a second connection (a connection cannot back up a database while it holds a
+    write transaction on it). Written under a temporary name and renamed: a kill mid-copy
+    leaves no partial `.bak`."""
+    bak = backup_path(p, version)
+    tmp = bak.with_name(bak.name + ".tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+        src = sqlite3.connect(_uri(p, "mode=ro"), uri=True, timeout=busy_timeout_s)
+        dst = sqlite3.connect(str(tmp))
+        try:
+            src.backup(dst)
+            dst.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            dst.close()
+            src.close()
+        os.chmod(tmp, stat.S_IMODE(p.stat().st_mode))  # readable by whom the ledger is
+        os.replace(tmp, bak)
+    except (OSError, sqlite3.Error) as e:
+        tmp.unlink(missing_ok=True)
+        raise LedgerError(f"{p}: cannot write its backup {bak.name} before migrating it from schema {version} to "
+                          f"{SCHEMA_VERSION} ({e}); nothing was changed") from e
+    return bak
+
+
+def _upgrade(conn: sqlite3.Connection, p: Path, busy_timeout_s: float) -> None:
+    """Bring the file to `_SCHEMA` and `SCHEMA_VERSION` in one transaction (BEGIN IMMEDIATE ...
+    COMMIT): a kill leaves it wholly old or wholly new. An older version is backed up first.
+    A current file that lacks nothing is not written at all."""
+    if stored_version(conn, p) == SCHEMA_VERSION and not _missing(conn):
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        old = stored_version(conn, p)  # again under the lock: another process may have moved it
+        refuse_newer(p, old)
+        bak = _backup(p, old, busy_timeout_s) if old is not None and old < SCHEMA_VERSION else None
+        for stmt in _missing(conn):
+            conn.execute(stmt)
+        if old != SCHEMA_VERSION:
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
+                         (str(SCHEMA_VERSION),))
+        if bak is not None:  # when, and where the old file is: `ledger.migrated_from_v2`
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                         (f"ledger.migrated_from_v{old}", f"{utcnow()} to v{SCHEMA_VERSION}, backup {bak.name}"))
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 def connect(path: str | Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite3.Connection:
-    """Open (and create) a ledger for writing: WAL, a busy timeout, the full schema."""
+    """Open (and create) a ledger for writing: WAL, a busy timeout, the full schema.
+
+    A ledger of a newer schema is refused (`LedgerVersionError`) before a byte of it is written;
+    an older one is backed up and migrated (`_upgrade`)."""
     p = db_path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     created = not p.exists()
@@ -306,19 +461,19 @@ def connect(path: str | Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite3
             os.chmod(p, 0o660)  # before WAL: SQLite gives -wal/-shm the database's mode
         except OSError:
             pass
+    else:  # read-only, before WAL mode (which writes the header) or anything else
+        refuse_newer(p, file_version(p))
     conn = sqlite3.connect(str(p), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
     try:
         conn.row_factory = sqlite3.Row
         have = tables(conn)
-        if have and ("meta" not in have or conn.execute(
-                "SELECT 1 FROM meta WHERE key = 'schema_version'").fetchone() is None):
+        if have and stored_version(conn, p) is None:
             raise LedgerError(f"{p} is an SQLite file of something else (tables: {', '.join(sorted(have)[:5])}); "
                               "refusing to add the ledger's tables to it")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-        conn.executescript(_SCHEMA)
-        _migrate(conn)
+        _upgrade(conn, p, busy_timeout_s)
     except sqlite3.DatabaseError as e:
         conn.close()
         raise LedgerError(f"{p} is not a usable vllm-guard ledger: {e}") from e

@@ -250,6 +250,7 @@ def _open_store(db: str) -> SoakStore:
     try:
         f = ledger.db_path(db)
         if f.is_file() and f.stat().st_size > 0:  # never add our tables to someone else's file (empty: new)
+            ledger.refuse_newer(f, ledger.file_version(f))  # first: it leaves no -wal/-shm beside a newer file
             ledger.open_readonly(f).close()
         return SoakStore(db)
     except LedgerError as e:

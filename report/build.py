@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_guard.core.ledger import SCHEMA_VERSION, newer_line
 from vllm_guard.core.reliability import ServiceFigures, of_replica, replicas_of, service_figures
 from vllm_guard.core.timefmt import utcnow
 
@@ -141,7 +142,19 @@ def build(d: ledgerread.LedgerData, opts: Options | None = None, now: float | No
         empty=not (svc.present or d.ticks or d.errors or d.soak_samples or d.edge_minutes),
         summary=Summary([], None, None, None, None, None, None, None, None, [], None, None),
     )
-    return dataclasses.replace(r, summary=summary.summary(r))
+    s = summary.summary(r)
+    newer = newer_ledger(d)
+    return dataclasses.replace(r, summary=dataclasses.replace(s, lines=[newer, *s.lines]) if newer else s)
+
+
+def newer_ledger(d: ledgerread.LedgerData) -> str | None:
+    """The summary's first line when a newer vllm-guard wrote the ledger: it is read for what
+    this version knows, and the operator reading the report (maybe later, elsewhere) is told."""
+    v = d.schema_version
+    if v is None or v <= SCHEMA_VERSION:
+        return None
+    return (f"Ledger: {newer_line(d.path, v)}: this report reads only the tables and columns of schema "
+            f"{SCHEMA_VERSION}; report with the newer vllm-guard for all of it")
 
 
 def figures(db: str | Path, opts: Options | None = None, run_id: int | None = None

@@ -76,6 +76,18 @@ def _check_out(out: str | None) -> None:
         raise UsageError(f"--out has value {out!r}: not writable by this user")
 
 
+def _note_newer(paths: list[str]) -> None:
+    """One line on stderr per ledger a newer vllm-guard wrote: read for what this version knows
+    (the report's first summary line says it too, for whoever reads the report later)."""
+    from vllm_guard.core import ledger
+
+    for p in paths:
+        v = ledger.file_version(p)
+        if v is not None and v > ledger.SCHEMA_VERSION:
+            print(f"vllm-guard: note: {ledger.newer_line(ledger.db_path(p), v)}: reported from what schema "
+                  f"{ledger.SCHEMA_VERSION} knows", file=sys.stderr)
+
+
 def cmd_report(args: argparse.Namespace, _: list[str]) -> int:
     from vllm_guard.core.ledger import LedgerError
 
@@ -106,6 +118,7 @@ def cmd_report(args: argparse.Namespace, _: list[str]) -> int:
             text = build.render(_ledger(args), args.format, opts, args.run_id)
     except LedgerError as e:
         raise UsageError(str(e)) from e
+    _note_newer(fleet.ledgers_of(args.db) if fleet_mode else args.compare or [_ledger(args)])
     if args.out is None:
         sys.stdout.write(text)
         return 0

@@ -2,7 +2,9 @@
 
 The file is opened with `core.ledger.open_readonly` (a report never writes nor creates a
 ledger; a file that is not one is a LedgerError). Tables that are absent or empty are fine
-(the report says so). Rows that do not match their schema are not skipped in silence: each
+(the report says so). A ledger of any schema version is read as it is, never migrated: columns
+that migrations add (`ledger._MIGRATIONS`) are read only where `ledger.columns` has them; one
+of a newer version is read for what this version knows, and the report says so. Rows that do not match their schema are not skipped in silence: each
 table's problems are counted with the first one's message (`Problems`), and the report
 shows them.
 """
@@ -173,6 +175,7 @@ class LedgerData:
     edge_span: tuple[float, float] | None = None  # first arrival, last end of those rows
     process_memory: list[ProcessMemoryRow] = field(default_factory=list)
     runtime_meta: RuntimeMeta = field(default_factory=RuntimeMeta)
+    schema_version: int | None = None  # the file's; above ledger.SCHEMA_VERSION: a newer guard wrote it
 
 
 def _ticks(conn: sqlite3.Connection, problems: Problems) -> list[Tick]:
@@ -294,7 +297,7 @@ def load(path: str | Path, run_id: int | None = None) -> LedgerData:
     p = ledger.db_path(path)
     try:
         t = ledger.tables(conn)
-        d = LedgerData(path=str(p), runtime=ledger.read_runtime(conn))
+        d = LedgerData(path=str(p), runtime=ledger.read_runtime(conn), schema_version=ledger.stored_version(conn, p))
         d.watchdog_meta = _watchdog_meta(conn, d.meta_problems)
         d.runtime_meta = _runtime_meta(conn)
         if "edge_minutes" in t:
