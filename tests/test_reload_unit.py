@@ -213,7 +213,8 @@ class FakeRuntime:
 
 
 def _reload(rt: FakeRuntime) -> Any:
-    return asyncio.run(Commands(rt).reload(CommandRequest(command=Command.RELOAD, reason="sighup")))  # type: ignore[arg-type]
+    req = CommandRequest(command=Command.RELOAD, reason="sighup")
+    return asyncio.run(Commands(rt).reload(req))  # type: ignore[arg-type]
 
 
 def test_a_refused_reload_is_a_config_error_and_applies_nothing() -> None:
@@ -248,3 +249,18 @@ def test_a_replica_that_cannot_recycle_now_refuses_the_reload_whole() -> None:
     reply = _reload(rt)
     assert not reply.accepted and not reply.config_error and "not applied" in reply.detail
     assert not rt.applied and rt.drivers[0].events == []
+
+
+def test_status_text_names_the_configuration_and_a_refused_reload() -> None:
+    from vllm_guard.core.protocol import ConfigStatus, ReloadStatus
+    from vllm_guard.runtime.status.fmt import _config
+
+    applied = ConfigStatus(hash="0123456789ab", source="/etc/vllm-guard/guard.toml", applied_at="2026-12-05T10:00:00Z",
+                           changed=["[server] vllm_args"])
+    assert _config(applied) == ["config      0123456789ab from /etc/vllm-guard/guard.toml, reloaded "
+                                "2026-12-05T10:00:00Z: [server] vllm_args"]
+    refused = ConfigStatus(hash="0123456789ab", last_reload=ReloadStatus(
+        at="2026-12-05T10:01:00Z", reason="sighup", outcome="refused", detail="[server] bogus is not a known key"))
+    lines = _config(refused)
+    assert lines[0] == "config      0123456789ab (flags and defaults)"
+    assert "last reload (sighup) refused" in lines[1] and "[server] bogus" in lines[1]
