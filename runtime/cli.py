@@ -108,12 +108,15 @@ def add_commands(sub: Any) -> dict[str, Handler]:
     add_strategy_flags(s)
 
     for name, text in ADMIN_COMMANDS.items():
-        c = sub.add_parser(name, help=text)
+        c = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         c.add_argument("--state-dir", default=None,
                        help="the runtime's state dir (default: $VLLM_GUARD_STATE_DIR, the installed config, ./.state)")
         c.add_argument("--json", action="store_true", help="print the runtime's answer as JSON")
-        if name in ("recycle", "restart", "hold", "reload"):
+        if name in ("recycle", "restart", "hold"):
             c.add_argument("--reason", default="operator", help="recorded in the ledger and status (one line)")
+        if name == "reload":
+            c.add_argument("--reason", default="operator", help="who asked, recorded in status and the ledger (one "
+                           "line); the recycle that applies it is recorded with reason `reload`")
         if name in ("recycle", "restart"):
             c.add_argument("--class", dest="cls", default=None,
                            help="ledger class: recycle scheduled|preventive (default scheduled); "
