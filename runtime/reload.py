@@ -110,7 +110,8 @@ def plan_reload(old: GuardConfig, compose: Callable[[], tuple[GuardConfig, str]]
     note = f"; not the runtime's, left to their own services: {', '.join(other)}" if other else ""
     now = config_hash(new)
     if not runtime:
-        return ReloadPlan("unchanged", f"configuration {was} unchanged: nothing to do{note}", was, (), other)
+        what = "started without --config: no file to re-read" if new.source is None else "unchanged"
+        return ReloadPlan("unchanged", f"configuration {was} {what}: nothing to do{note}", was, (), other)
     return ReloadPlan("apply", f"configuration {was} -> {now}: {', '.join(runtime)}{note}", now,
                       tuple(runtime), other, new, model)
 

@@ -264,3 +264,11 @@ def test_status_text_names_the_configuration_and_a_refused_reload() -> None:
     lines = _config(refused)
     assert lines[0] == "config      0123456789ab (flags and defaults)"
     assert "last reload (sighup) refused" in lines[1] and "[server] bogus" in lines[1]
+
+
+def test_a_runtime_started_without_a_file_says_there_is_none_to_re_read(tmp_path: Path) -> None:
+    args = build_parser()[0].parse_args(["serve", "--model", str(tmp_path), "--port", "9001"])
+    compose = composer(args, ["--enforce-eager"], sys.executable)
+    cfg, model = compose()
+    plan = R.plan_reload(cfg, compose)
+    assert plan.verdict == "unchanged" and "without --config" in plan.detail and model == str(tmp_path)
