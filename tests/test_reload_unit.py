@@ -272,3 +272,42 @@ def test_a_runtime_started_without_a_file_says_there_is_none_to_re_read(tmp_path
     cfg, model = compose()
     plan = R.plan_reload(cfg, compose)
     assert plan.verdict == "unchanged" and "without --config" in plan.detail and model == str(tmp_path)
+
+
+# -- the supervisor's swap: one value, and every holder that copied part of it at start ----------
+def test_apply_config_swaps_the_one_value_and_what_copied_it(tmp_path: Path) -> None:
+    import copy
+    import json
+    import sqlite3
+
+    from vllm_guard.runtime.supervisor import Supervisor
+
+    async def go() -> None:
+        old = GuardConfig()
+        old.server.state_dir = str(tmp_path)
+        sup = Supervisor(old, "m")
+        try:
+            assert sup.status().config.hash == R.config_hash(old)  # type: ignore[union-attr]
+            new = copy.deepcopy(old)
+            new.server.migration_limit, new.server.max_n, new.server.queue_size = 7, 3, 5
+            new.server.failure_window, new.server.retry_after = 42.0, 11
+            plan = R.ReloadPlan("apply", "x", R.config_hash(new), tuple(R.changed_keys(old, new)), cfg=new, model="m")
+            sup.apply_config(plan)
+            p = sup.proxy
+            assert sup.cfg is new and p.cfg is new.server and p.dispatch.cfg is new.server
+            assert p.policy.num_retries == 7 and p.dispatch.policy is p.policy and p.upstream.policy is p.policy
+            assert p.admission.limits.max_n == 3 and p.queue.queue_size == 5 and p.gate.retry_after == 11
+            assert sup.books.failure_window == 42.0
+            conf = sup.status().config
+            assert conf is not None and conf.hash == plan.config_hash != R.config_hash(old)
+            assert conf.changed == ["[server] queue_size", "[server] migration_limit", "[server] retry_after",
+                                    "[server] failure_window", "[server] max_n"] and conf.applied_at
+            sup.note_reload("sighup", "refused", "[server] port has value 1: ...")
+            assert sup.status().config.last_reload.outcome == "refused"  # type: ignore[union-attr]
+        finally:
+            await asyncio.to_thread(sup.ledger.close)
+
+    asyncio.run(go())
+    db = sqlite3.connect(tmp_path / "ledger.sqlite")
+    (value,) = db.execute("SELECT value FROM meta WHERE key = 'runtime.last_reload'").fetchone()
+    assert json.loads(value)["outcome"] == "refused" and "[server] port" in json.loads(value)["detail"]
