@@ -311,3 +311,20 @@ def test_apply_config_swaps_the_one_value_and_what_copied_it(tmp_path: Path) -> 
     db = sqlite3.connect(tmp_path / "ledger.sqlite")
     (value,) = db.execute("SELECT value FROM meta WHERE key = 'runtime.last_reload'").fetchone()
     assert json.loads(value)["outcome"] == "refused" and "[server] port" in json.loads(value)["detail"]
+
+
+def test_the_proxy_loads_its_tokenizer_again_only_when_the_model_or_its_arguments_changed(tmp_path: Path) -> None:
+    from vllm_guard.core.config import ServerConfig
+    from vllm_guard.runtime.frontdoor.proxy import Proxy
+
+    async def go() -> None:
+        p = Proxy(ServerConfig(model=str(tmp_path / "a")), on_limit=lambda t: None, on_error=lambda t: None)
+        p.tokenizer, p.tokenizer_why = object(), ""  # as if loaded at start
+        p.configure(ServerConfig(model=str(tmp_path / "a"), migration_limit=1))
+        assert p.tokenizer is not None and not p._tasks  # same tokenizer: kept
+        p.configure(ServerConfig(model=str(tmp_path / "b")))
+        assert p.tokenizer is None and p.facts.tokenizer == str(tmp_path / "b") and len(p._tasks) == 1
+        await p._tasks[0]  # no such model dir: resumption off, and it says why
+        assert p.tokenizer is None and "loading" not in p.tokenizer_why
+
+    asyncio.run(go())
