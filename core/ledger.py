@@ -29,7 +29,7 @@ from .errors import EXIT_USAGE, GuardError
 from .timefmt import utcnow
 
 LEDGER_NAME = "ledger.sqlite"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_S = 5.0
 
 OWNERS: dict[str, str] = {
@@ -281,7 +281,10 @@ CREATE INDEX IF NOT EXISTS failures_at ON failures (at);
 # column -> DDL, per table: what an older ledger lacks gets added on open
 _MIGRATIONS: dict[str, dict[str, str]] = {
     "generations": {"pid_started": "REAL", "replica": "INTEGER NOT NULL DEFAULT 0", "strategy": "TEXT",
-                    "updated_at": "TEXT", "start_phases": "TEXT"},
+                    "updated_at": "TEXT", "start_phases": "TEXT",
+                    # schema 4: the configuration it ran (runtime/reload.py `config_hash`) and, on the
+                    # first generation of a replica after a reload, the keys that reload changed (JSON list)
+                    "config_hash": "TEXT", "config_changed": "TEXT"},
     "recycles": {"strategy": "TEXT", "replica": "INTEGER NOT NULL DEFAULT 0"},
     # schema 3: the watchdog watches every replica (NULL: a box-wide row, as every older row is)
     "samples": {"replica": "INTEGER"},

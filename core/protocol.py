@@ -21,7 +21,7 @@ from .errors import ProtocolError
 from .ledger import EndClass
 from .sanitize import check_reason
 
-SCHEMA = "vllm-guard-status/3"
+SCHEMA = "vllm-guard-status/4"
 RECENT = 10
 
 
@@ -292,6 +292,27 @@ class ReplicaStatus(_Model):
     recycle_strategy: str | None = None  # of its recycle in progress, else of its last one
     standby: StandbyStatus | None = None
     start_phases: list[StartPhase] = Field(default_factory=list)  # where its current generation's start went
+    config: str | None = None  # the configuration hash its current generation was launched with
+
+
+class ReloadStatus(_Model):
+    """The last `vllm-guard reload` or SIGHUP: what it did, in one line."""
+
+    at: str
+    reason: str  # operator, sighup, ...
+    outcome: Literal["applied", "unchanged", "refused"]
+    detail: str  # the keys it changed, or why it was refused (the key named)
+
+
+class ConfigStatus(_Model):
+    """The configuration the runtime runs: a short hash of what it reads of guard.toml (file and
+    command-line flags composed), where it came from, and what the last applied reload changed."""
+
+    hash: str
+    source: str | None = None  # the guard.toml it was read from (None: flags and defaults only)
+    applied_at: str | None = None  # when the last reload applied it (None: as started)
+    changed: list[str] = Field(default_factory=list)  # "[section] key" that reload changed
+    last_reload: ReloadStatus | None = None
 
 
 class PrestageReport(_Model):
@@ -358,7 +379,7 @@ class GateReport(_Model):
 
 
 class StatusSnapshot(_Model):
-    schema_: Literal["vllm-guard-status/3"] = Field("vllm-guard-status/3", alias="schema")
+    schema_: Literal["vllm-guard-status/4"] = Field("vllm-guard-status/4", alias="schema")
     state: RuntimeState
     state_for_s: float
     generation: int
@@ -384,6 +405,7 @@ class StatusSnapshot(_Model):
     ledger: LedgerHealth = Field(default_factory=LedgerHealth)
     recycle_strategy: str = "auto"  # [server] recycle_strategy: auto | overlap | gated | cold
     replicas: list[ReplicaStatus] = Field(default_factory=list)
+    config: ConfigStatus | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -400,6 +422,7 @@ class Command(str, enum.Enum):
     RESTART = "restart"  # hard: kill the generation now (its in-flight requests fail)
     HOLD = "hold"  # stop all (re)starting until released
     RELEASE = "release"
+    RELOAD = "reload"  # re-read guard.toml as the runtime composed it; applied through a recycle
 
 
 # which ledger classes each command may be recorded as (default first)
@@ -408,6 +431,7 @@ COMMAND_CLASSES: dict[Command, tuple[EndClass, ...]] = {
     Command.RESTART: (EndClass.UNPLANNED, EndClass.SCHEDULED, EndClass.PREVENTIVE),
     Command.HOLD: (),
     Command.RELEASE: (),
+    Command.RELOAD: (EndClass.SCHEDULED,),
 }
 
 
@@ -451,6 +475,8 @@ class CommandReply(_Model):
     detail: str  # why not, when refused; what happens next, when accepted
     state: RuntimeState
     generation: int
+    # refused because of the configuration (a bad file, a key only a restart applies): the CLI exits 2
+    config_error: bool = False
 
 
 class ErrorReply(_Model):

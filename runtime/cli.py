@@ -1,10 +1,10 @@
-"""The runtime's commands: serve, status, recycle, restart, hold, release, model, demo.
+"""The runtime's commands: serve, status, recycle, restart, hold, release, reload, model, demo.
 
 `add_commands` is what the composition root (`vllm_guard.cli`) calls. Only argparse and the
 light parts of the core are imported here; aiohttp, pydantic, psutil and the supervisor load
 inside the handlers, so `vllm-guard --help` stays fast. Every usage or config error is one line
-on stderr and exit 2 (UsageError/ConfigError); a runtime that cannot be reached or refuses a
-command is one line and exit 1.
+on stderr and exit 2 (UsageError/ConfigError), a reload refused for its configuration too; a
+runtime that cannot be reached or refuses a command is one line and exit 1.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TextIO
 
 from vllm_guard.core import ports
-from vllm_guard.core.config import GuardConfig, load, set_value, validate
+from vllm_guard.core.config import ConfigError, GuardConfig, load, set_value, validate
 from vllm_guard.core.errors import (
     EXIT_BOOT_ERROR, EXIT_ERROR, EXIT_FAILURE_LIMIT, EXIT_START_FAILURE, GuardError, UsageError,
 )
@@ -80,6 +80,9 @@ ADMIN_COMMANDS = {
     "restart": "hard restart: kill the generation now",
     "hold": "stop every (re)start until released (the serving generation keeps serving)",
     "release": "release a hold",
+    "reload": "re-read guard.toml (the runtime's file, its serve flags on top) and apply it through a "
+              "graceful recycle; refused whole (exit 2, the key named) for a bad file or a key only a "
+              "restart applies; nothing changed: no recycle (systemctl reload sends SIGHUP: the same)",
 }
 
 
@@ -105,12 +108,15 @@ def add_commands(sub: Any) -> dict[str, Handler]:
     add_strategy_flags(s)
 
     for name, text in ADMIN_COMMANDS.items():
-        c = sub.add_parser(name, help=text)
+        c = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         c.add_argument("--state-dir", default=None,
                        help="the runtime's state dir (default: $VLLM_GUARD_STATE_DIR, the installed config, ./.state)")
         c.add_argument("--json", action="store_true", help="print the runtime's answer as JSON")
         if name in ("recycle", "restart", "hold"):
             c.add_argument("--reason", default="operator", help="recorded in the ledger and status (one line)")
+        if name == "reload":
+            c.add_argument("--reason", default="operator", help="who asked, recorded in status and the ledger (one "
+                           "line); the recycle that applies it is recorded with reason `reload`")
         if name in ("recycle", "restart"):
             c.add_argument("--class", dest="cls", default=None,
                            help="ledger class: recycle scheduled|preventive (default scheduled); "
@@ -192,6 +198,17 @@ def find_owned_arg(args: Iterable[str]) -> str | None:
                 if _owned("--" + key):
                     return f"{key}: in {path}"
     return None
+
+
+def composer(args: argparse.Namespace, vllm_args: list[str], python: str) -> Callable[[], tuple[GuardConfig, str]]:
+    """How `serve` composed its configuration, kept for `vllm-guard reload` and SIGHUP: the same
+    file read again, the same flags and vLLM arguments on top, validated the same way; with the
+    model vLLM is given (the embedded tiny model when `[server] model` is empty)."""
+    def compose() -> tuple[GuardConfig, str]:
+        cfg = serve_config(args, vllm_args)
+        _preflight_model(cfg.server.model)
+        return cfg, cfg.server.model or str(tiny_model.ensure(tiny_model.default_dir(), python))
+    return compose
 
 
 def serve_config(args: argparse.Namespace, vllm_args: list[str]) -> GuardConfig:
@@ -388,7 +405,7 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
             except RuntimeError as e:
                 print(f"vllm-guard: error: {e}", file=sys.stderr)
                 return EXIT_BOOT_ERROR
-        sup = Supervisor(cfg, model, python, ledger)
+        sup = Supervisor(cfg, model, python, ledger, compose=composer(args, vllm_args, python))
         runner: Callable[[Any], Any] = asyncio.run
         try:
             import uvloop  # vLLM depends on it; faster proxying where present
@@ -489,7 +506,9 @@ def cmd_admin(args: argparse.Namespace, _: list[str]) -> int:
             print(json.dumps(snap.to_json(), indent=2) if args.json else format_status(snap))
             return 0
         reply = asyncio.run(client.send(state_dir, request))  # CommandRefused: exit 1, the reason
-    except client.CommandRefused:
+    except client.CommandRefused as e:
+        if e.reply.config_error:  # a reload's file: exit 2 with the line that names the key
+            raise ConfigError(f"{args.command} refused: {e.reply.detail}") from e
         raise
     except client.AdminError as e:  # say which state dir was tried, and why that one
         raise client.AdminError(f"{e} [state dir {state_dir}: {where}; --state-dir DIR picks another]") from e

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol, Sequence
+from typing import Awaitable, Callable, Literal, Protocol, Sequence
 
 import structlog
 
 from vllm_guard.core.ledger import EndClass
 from vllm_guard.core.protocol import Command, CommandReply, CommandRequest, RuntimeState
 
+from .reload import ReloadPlan
 from .replica.decide import decide
 from .replica.driver import ReplicaDriver
 from .replica.view import Event, Facts, RecycleCmd, RestartCmd
@@ -58,6 +59,15 @@ class Runtime(Protocol):
 
     async def release(self) -> str | None: ...
 
+    async def plan_reload(self) -> ReloadPlan: ...
+
+    def apply_config(self, plan: ReloadPlan) -> None: ...
+
+    def note_reload(self, reason: str, outcome: Literal["applied", "unchanged", "refused"], detail: str) -> None: ...
+
+
+RELOAD_REASON = "reload"  # the recycle a reload runs is recorded with this reason
+
 
 class Commands:
     def __init__(self, rt: Runtime) -> None:
@@ -69,6 +79,7 @@ class Commands:
             Command.RESTART: self.restart,
             Command.HOLD: self.hold,
             Command.RELEASE: self.release,
+            Command.RELOAD: self.reload,
         }
 
     def put(self, item: CommandRequest | Stop) -> None:
@@ -100,9 +111,9 @@ class Commands:
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
-    def _reply(self, req: CommandRequest, accepted: bool, detail: str) -> CommandReply:
+    def _reply(self, req: CommandRequest, accepted: bool, detail: str, config_error: bool = False) -> CommandReply:
         return CommandReply(command=req.command, accepted=accepted, detail=detail, state=self.rt.state,
-                            generation=self.rt.generation)
+                            generation=self.rt.generation, config_error=config_error)
 
     def _chosen(self, req: CommandRequest) -> list[ReplicaDriver] | str:
         """The replicas a command is for, or why there is no such replica."""
@@ -152,6 +163,34 @@ class Commands:
         if not targets:
             return self._reply(req, False, dry[0][2])
         return self._reply(req, True, "; ".join(await self._each(targets, event)))
+
+    async def reload(self, req: CommandRequest) -> CommandReply:
+        """Re-read the configuration as `serve` composed it; apply it through a recycle of every
+        replica (rolling), or refuse it whole: a bad file or a restart-only key (`config_error`),
+        or a replica that cannot take a recycle now (held, starting, a recycle under way)."""
+        plan = await self.rt.plan_reload()
+        if plan.verdict == "refused":
+            log.warning("reload_refused", reason=req.reason, detail=plan.detail, config=plan.config_hash)
+            self.rt.note_reload(req.reason, "refused", plan.detail)
+            return self._reply(req, False, plan.detail, config_error=True)
+        if plan.verdict == "unchanged":
+            log.info("reload_unchanged", reason=req.reason, detail=plan.detail)
+            self.rt.note_reload(req.reason, "unchanged", plan.detail)
+            return self._reply(req, True, plan.detail)
+        event = RecycleCmd(RELOAD_REASON, req.ledger_class() or EndClass.SCHEDULED, None)
+        for d in self.rt.drivers:
+            ok, why = self._dry(d, event)
+            if not ok:
+                detail = f"not applied: {why}; reload again once it is over"
+                log.warning("reload_refused", reason=req.reason, detail=detail, config=plan.config_hash)
+                self.rt.note_reload(req.reason, "refused", detail)
+                return self._reply(req, False, detail)
+        self.rt.apply_config(plan)
+        for d in self.rt.drivers:  # a standby parked with the old configuration is replaced first
+            await d.tick(lambda d=d: self.rt.facts(d))  # type: ignore[misc]
+        self.rt.note_reload(req.reason, "applied", plan.detail)
+        recycled = await self._each(self.rt.drivers, event)
+        return self._reply(req, True, "; ".join([plan.detail, *recycled]))
 
     async def hold(self, req: CommandRequest) -> CommandReply:
         return self._reply(req, True, await self.rt.set_hold(req.reason))

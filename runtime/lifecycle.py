@@ -26,7 +26,8 @@ def install_signals(put: Callable[[CommandRequest | Stop], None]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, put, Stop(sig.name))
-    loop.add_signal_handler(signal.SIGHUP, put, CommandRequest(command=Command.RECYCLE, reason="sighup"))
+    # SIGHUP (`systemctl reload`): re-read guard.toml and apply it through a recycle
+    loop.add_signal_handler(signal.SIGHUP, put, CommandRequest(command=Command.RELOAD, reason="sighup"))
 
 
 async def kill_orphans(ledger: RuntimeLedger) -> list[int]:

@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Literal
 
 import structlog
 
@@ -30,9 +30,13 @@ from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.errors import EXIT_FAILURE_LIMIT, EXIT_OK, EXIT_START_FAILURE
 from vllm_guard.core.ledger import EndClass, FailureKind
 from vllm_guard.core.notify import Notifier
-from vllm_guard.core.protocol import CommandReply, CommandRequest, ProbeSummary, RuntimeState, StatusSnapshot
+from vllm_guard.core.protocol import (
+    CommandReply, CommandRequest, ConfigStatus, ProbeSummary, ReloadStatus, RuntimeState, StatusSnapshot,
+)
+from vllm_guard.core.timefmt import utcnow
 
 from . import lifecycle
+from . import reload as reloads
 from .child import procs
 from .commands import Commands
 from .loopwatch import LoopWatch
@@ -69,11 +73,20 @@ AdminStart = Callable[[Path, Any, Callable[[], StatusSnapshot],
 __all__ = ["FAULT_VAR", "InjectedFault", "Supervisor", "TICK_S"]
 
 
+Compose = Callable[[], tuple[GuardConfig, str]]
+
+
 class Supervisor:
     def __init__(self, cfg: GuardConfig, model: str, python: str = sys.executable,
-                 ledger: RuntimeLedger | None = None) -> None:
+                 ledger: RuntimeLedger | None = None, compose: Compose | None = None) -> None:
+        # the configuration: one value, swapped only by `apply_config` (a reload), never changed in place
         self.cfg = cfg
         self.model = model
+        self.compose = compose  # how `serve` composed `cfg` (file, flags): a reload composes it again
+        self.config_hash = reloads.config_hash(cfg)
+        self.config_applied_at: str | None = None
+        self.config_changed: tuple[str, ...] = ()
+        self.last_reload: ReloadStatus | None = None
         self.python = python
         self.state_dir = Path(cfg.server.state_dir)
         self.ledger = ledger if ledger is not None else RuntimeLedger(self.state_dir)
@@ -102,6 +115,8 @@ class Supervisor:
         self.admin: Any = None  # the admin socket's runner
         self.tasks: list[asyncio.Task[Any]] = []  # the runtime's own (the status monitor, metrics)
         self.drivers: list[ReplicaDriver] = []
+        self.kit: MonitorKit | None = None  # opened in `_open`, with the launcher
+        self.launcher: Launcher | None = None
         self._agg: tuple[RuntimeState, float] = (RuntimeState.STARTING, time.monotonic())
         self._status_sent = 0.0
         self._turn_began: float | None = None  # the turn in progress began (monotonic); None: asleep
@@ -123,7 +138,9 @@ class Supervisor:
             cfg=self.cfg, model=self.model, state=self.state, state_for_s=max(0.0, time.monotonic() - self._agg[1]),
             generation=self.generation, vllm_version=self.vllm_version, gpu_name=self.gpu_name, hold=self.hold,
             drivers=self.drivers, books=self.books, proxy=self.proxy, last_probe=self.last_probe,
-            ledger=self.ledger.health()))
+            ledger=self.ledger.health(), config=ConfigStatus(
+                hash=self.config_hash, source=self.cfg.source, applied_at=self.config_applied_at,
+                changed=list(self.config_changed), last_reload=self.last_reload)))
 
     def next_number(self) -> int:
         self.last_number += 1
@@ -144,7 +161,7 @@ class Supervisor:
             starts=self.starts.get(d.index, StartHistory()), gpu_room=d.gpu_room,
             standby_failures=self.standby_failures.get(d.index, 0),
             nvml=self.nvml is not None and self.nvml.available, ready_sent=self.notifier.ready_sent,
-            extend_sent_at=self._extend_sent)
+            extend_sent_at=self._extend_sent, config_hash=self.config_hash)
 
     # -- the runbook ---------------------------------------------------------------------------
     async def run(self, admin_start: AdminStart | None = None) -> int:
@@ -186,9 +203,10 @@ class Supervisor:
         self.gpu_name = visible_gpu_name(self.nvml, os.environ)
         static = self.nvml.static if self.nvml.available else []
         plans = replicas.plan(self.cfg, static, os.environ)
-        kit = MonitorKit(self.cfg, self.http, self.nvml, self.ledger, self.state_dir, self.replica_gpus,
-                         self._on_probe, self._on_version, self.wake)
-        launcher = Launcher(self.cfg, self.model, self.python, self.state_dir, self.ledger, plans, self.next_number)
+        self.kit = kit = MonitorKit(self.cfg, self.http, self.nvml, self.ledger, self.state_dir, self.replica_gpus,
+                                    self._on_probe, self._on_version, self.wake)
+        self.launcher = launcher = Launcher(self.cfg, self.model, self.python, self.state_dir, self.ledger, plans,
+                                            self.next_number, self.config_hash)
         self.drivers = [ReplicaDriver(p, launcher, self.proxy, self.books, kit, self,
                                       request_timeout=self.cfg.server.request_timeout) for p in plans]
         for d in self.drivers:
@@ -210,7 +228,8 @@ class Supervisor:
             self.live_generations, self.state_dir, self.wake))))
         log.info("runtime_started", port=self.cfg.server.port, state_dir=str(self.state_dir), model=self.model,
                  gpu=self.gpu_name or None, hold=self.hold, next_generation=self.last_number + 1,
-                 orphans_killed=orphans, replicas=len(self.drivers), recycle_strategy=self.cfg.server.recycle_strategy)
+                 orphans_killed=orphans, replicas=len(self.drivers), recycle_strategy=self.cfg.server.recycle_strategy,
+                 config=self.config_hash, config_file=self.cfg.source)
 
     async def _close(self) -> None:
         """Every way out: no vLLM process of ours survives, then the rest is closed."""
@@ -363,6 +382,34 @@ class Supervisor:
         for d in self.drivers:
             await d.handle(ReleaseCmd(), lambda d=d: self.facts(d))  # type: ignore[misc]
         return f"released: starting generation {self.last_number}" if self.last_number > before else "released"
+
+    # -- reload --------------------------------------------------------------------------------
+    async def plan_reload(self) -> reloads.ReloadPlan:
+        """Compose the configuration again, off the loop (it reads files), and judge it."""
+        if self.compose is None:
+            return reloads.ReloadPlan("refused", "this runtime has no configuration to re-read", self.config_hash)
+        return await asyncio.to_thread(reloads.plan_reload, self.cfg, self.compose)
+
+    def apply_config(self, plan: reloads.ReloadPlan) -> None:
+        """Swap in a reload's configuration: the one value here, and what each holder copied of
+        it at start (the proxy, the books, the monitors, the launcher, the drivers)."""
+        assert plan.cfg is not None
+        self.cfg, self.model, self.config_hash = plan.cfg, plan.model, plan.config_hash
+        self.config_changed, self.config_applied_at = plan.changed, utcnow()
+        self.proxy.configure(self.cfg.server)
+        self.books.failure_window = self.cfg.server.failure_window
+        if self.kit is not None and self.launcher is not None:
+            self.kit.cfg = self.cfg
+            self.launcher.configure(self.cfg, self.model, self.config_hash, plan.changed)
+        for d in self.drivers:
+            d.request_timeout = self.cfg.server.request_timeout
+        log.info("config_applied", config=self.config_hash, changed=list(plan.changed), model=self.model,
+                 vllm_args=list(self.cfg.server.vllm_args))
+
+    def note_reload(self, reason: str, outcome: Literal["applied", "unchanged", "refused"], detail: str) -> None:
+        """The last reload, for status and the ledger (`meta` runtime.last_reload)."""
+        self.last_reload = ReloadStatus(at=utcnow(), reason=reason, outcome=outcome, detail=detail)
+        self.ledger.reload_noted({**self.last_reload.model_dump(), "config": self.config_hash})
 
     # -- systemd -------------------------------------------------------------------------------
     async def _heartbeat(self) -> None:

@@ -32,10 +32,10 @@ CHILD_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_P
 # `make test` runs two xdist workers that take whole files in collection order (`--dist loadfile
 # --no-loadscope-reorder`): the longest files go first so both workers finish near together.
 LONGEST_FIRST = ["test_strategies_real.py", "test_failures.py", "test_recycle.py", "test_strategies.py",
-                 "test_faults_guard.py", "test_resume_real.py", "test_lifecycle.py", "test_patches_server.py",
-                 "test_fleet_haproxy.py", "test_soak_real.py", "test_watchdog_e2e.py", "test_watchdog_replicas.py",
-                 "test_cancel_leak.py", "test_triggers.py", "test_typecheck.py", "test_patches_unit.py",
-                 "test_gate_unit.py", "test_patches_plain.py", "test_watchdog_probe_key.py"]
+                 "test_faults_guard.py", "test_resume_real.py", "test_lifecycle.py", "test_reload.py",
+                 "test_patches_server.py", "test_fleet_haproxy.py", "test_soak_real.py", "test_watchdog_e2e.py",
+                 "test_watchdog_replicas.py", "test_cancel_leak.py", "test_triggers.py", "test_typecheck.py",
+                 "test_patches_unit.py", "test_gate_unit.py", "test_patches_plain.py", "test_watchdog_probe_key.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -137,6 +137,22 @@ class Proxy:
                  idle_timeout_s=self.cfg.idle_timeout)
         self._tasks.append(asyncio.create_task(self._load_tokenizer()))
 
+    def configure(self, cfg: ServerConfig) -> None:
+        """A reload's `[server]`: the retry policy, admission's bounds, the body budget, the
+        queue's size and what dispatch reads take the new values now; the listener's own (host,
+        port, connection cap, header and idle timeouts, body limit) need a restart
+        (`runtime/reload.py` refuses them). A new model or tokenizer is loaded again, off the loop."""
+        self.cfg = self.dispatch.cfg = cfg
+        self.policy = self.dispatch.policy = self.upstream.policy = RetryPolicy.of(cfg)
+        self.admission.limits = Limits.of(cfg, os.environ)
+        self.bodies.budget = int(cfg.body_buffer_mb * MB)
+        self.queue.queue_size = cfg.queue_size
+        self.gate.retry_after = cfg.retry_after
+        facts = detok.facts_of(cfg.model or str(tiny_model.default_dir()), cfg.vllm_args)
+        if facts != self.facts:
+            self.facts, self.tokenizer, self.tokenizer_why = facts, None, "the guard's tokenizer is loading again"
+            self._tasks.append(asyncio.create_task(self._load_tokenizer()))
+
     async def _load_tokenizer(self) -> None:
         tok, why = await asyncio.to_thread(detok.load, self.facts)
         self.tokenizer, self.tokenizer_why = tok, why

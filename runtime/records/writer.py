@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import structlog
 
@@ -331,14 +331,22 @@ class RuntimeLedger:
 
     # -- the runtime's records ---------------------------------------------------------------
     def generation_started(self, generation: int, pid: int, pid_started: float | None, model: str,
-                           replica: int = 0, strategy: str | None = None) -> int:
+                           replica: int = 0, strategy: str | None = None, config_hash: str | None = None,
+                           config_changed: Sequence[str] = ()) -> int:
         row = self._next_id("generations")
         now = utcnow()
+        changed = json.dumps(list(config_changed)) if config_changed else None
         self._put("INSERT INTO generations (id, generation, started_at, updated_at, pid, pid_started, model, "
-                  "host, boot_id, replica, strategy) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                  (row, generation, now, now, pid, pid_started, model, self.host, self.boot_id, replica, strategy),
-                  f"generation {generation} started")
+                  "host, boot_id, replica, strategy, config_hash, config_changed) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                  (row, generation, now, now, pid, pid_started, model, self.host, self.boot_id, replica, strategy,
+                   config_hash, changed), f"generation {generation} started")
         return row
+
+    def reload_noted(self, summary: Mapping[str, Any]) -> None:
+        """The last reload (applied, unchanged or refused, and why) in `meta` as `runtime.last_reload`."""
+        self._put("INSERT OR REPLACE INTO meta (key, value) VALUES ('runtime.last_reload', ?)",
+                  (json.dumps(dict(summary), sort_keys=True),), "runtime reload")
 
     def generation_ready(self, row: int, vllm_version: str, gpu_name: str) -> None:
         now = utcnow()

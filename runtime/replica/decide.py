@@ -203,6 +203,11 @@ def _standby(v: ReplicaView, now: float, out: Out) -> None:
                 log("standby_lost", "warning", replica=f.index, generation=nxt.number, why=lost))
         out.to(S.SERVING, now)
         return
+    if nxt.config != f.config_hash:  # a reload changed the configuration: it would start the old one
+        why = f"launched with configuration {nxt.config or '?'}, the runtime now runs {f.config_hash}"
+        out.add(Abandon(f"standby {why}"), log("standby_replaced", replica=f.index, generation=nxt.number, why=why))
+        out.to(S.SERVING, now)
+        return
     if nxt.gate == "parked" and f.standby_failures:
         out.add(LearnStandby(failed=False))
     if f.hold is None and not f.stopping:

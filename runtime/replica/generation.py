@@ -38,6 +38,7 @@ class Generation:
     spawned_mono: float = 0.0
     beside: bool = False  # spawned as a successor, beside a serving generation
     standby: bool = False  # the replica's standby: parked at its gate until it is needed
+    config: str = ""  # the hash of the configuration it was launched with (`runtime/reload.py`)
     # what the monitors found (read off the event loop; status only assembles them)
     ready_mono: float | None = None
     hang: str | None = None
@@ -85,7 +86,8 @@ class Generation:
             in_flight=t.in_flight, requests=t.toward_limit, served=t.dispatched, inherited=t.inherited,
             limit=t.limit, idle_for=idle, growth=self.growth, to_limit_s=self.to_limit_s, fit=self.fit,
             deadline=self.deadline, kill_sent=self.kill_sent, stop_mark=self.stop_mark, gone=self.gone,
-            gpu_free=self.gpu_free, alive=self.alive, end_reason=self.end_reason, death=self.death)
+            gpu_free=self.gpu_free, alive=self.alive, end_reason=self.end_reason, death=self.death,
+            config=self.config)
 
     # -- the monitors' notes -------------------------------------------------------------------
     def __post_init__(self) -> None:

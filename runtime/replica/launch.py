@@ -46,10 +46,18 @@ def prune_logs(logs: Path) -> None:
 
 class Launcher:
     def __init__(self, cfg: GuardConfig, model: str, python: str, state_dir: Path, ledger: Ledger,
-                 plans: Sequence[ReplicaPlan], next_number: Callable[[], int]) -> None:
+                 plans: Sequence[ReplicaPlan], next_number: Callable[[], int], config_hash: str = "") -> None:
         self.cfg, self.model, self.python, self.state_dir, self.ledger = cfg, model, python, state_dir, ledger
         self.plans = {p.index: p for p in plans}
         self.next_number = next_number
+        self.config_hash = config_hash
+        self._changed: dict[int, tuple[str, ...]] = {}  # per replica: what a reload changed, until it spawns
+
+    def configure(self, cfg: GuardConfig, model: str, config_hash: str, changed: Sequence[str]) -> None:
+        """A reload's configuration: every generation launched from now on runs it; each replica's
+        first one records the keys that changed."""
+        self.cfg, self.model, self.config_hash = cfg, model, config_hash
+        self._changed = {i: tuple(changed) for i in self.plans}
 
     def prestage(self, generation: int) -> str | None:
         """The model dir a parked generation reads its weights from before its gate
@@ -83,11 +91,14 @@ class Launcher:
         except OSError as e:
             log.error("backend_launch_failed", error=str(e), python=self.python)
             raise
-        row = self.ledger.generation_started(n, backend.pid, backend.pid_started, self.model, replica, strategy)
+        changed = self._changed.pop(replica, ())
+        row = self.ledger.generation_started(n, backend.pid, backend.pid_started, self.model, replica, strategy,
+                                             self.config_hash or None, changed)
         gen = Generation(n, backend, target, row, replica=replica, strategy=strategy, gate=gate,
-                         spawned_mono=time.monotonic(), beside=beside, standby=standby)
+                         spawned_mono=time.monotonic(), beside=beside, standby=standby, config=self.config_hash)
         log.info("generation_starting", generation=n, replica=replica, pid=backend.pid, backend=backend.url,
                  max_requests=target.limit, strategy=strategy, gated=gated, beside=beside,
-                 gpus=self.plans[replica].gpus or None, log=str(backend.log_path))
+                 gpus=self.plans[replica].gpus or None, log=str(backend.log_path), config=self.config_hash or None,
+                 config_changed=list(changed) or None)
         await asyncio.to_thread(prune_logs, self.state_dir / "logs")
         return gen

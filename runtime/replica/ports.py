@@ -11,7 +11,7 @@ and the supervisor (the hub).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from vllm_guard.core.ledger import EndClass
 
@@ -55,7 +55,8 @@ class Ledger(Protocol):
     queued, never blocking)."""
 
     def generation_started(self, generation: int, pid: int, pid_started: float | None, model: str,
-                           replica: int = 0, strategy: str | None = None) -> int:
+                           replica: int = 0, strategy: str | None = None, config_hash: str | None = None,
+                           config_changed: Sequence[str] = ()) -> int:
         """Its row's id."""
 
     def generation_progress(self, row: int, requests_served: int) -> None: ...

@@ -44,6 +44,7 @@ class GenView:
     gated: bool = False
     beside: bool = False  # spawned as a successor, beside a serving generation
     standby: bool = False  # spawned as the replica's standby (parked until it is needed)
+    config: str = ""  # the hash of the configuration it was launched with
     ready_at: float | None = None  # /health 200 and a real completion
     exit_code: int | None = None  # its API server exited
     engine_dead: int | None = None  # an engine process died while the API server lives
@@ -93,6 +94,7 @@ class Facts:
     nvml: bool = False  # GPU readings exist on this box
     ready_sent: bool = False  # systemd heard READY=1
     extend_sent_at: float = 0.0  # when EXTEND_TIMEOUT_USEC last went out
+    config_hash: str = ""  # of `cfg`: a standby launched with another one is replaced (a reload)
 
     @property
     def replicas(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from vllm_guard.core.protocol import FailureSummary, RecycleSummary, ReplicaStatus, StatusSnapshot
+from vllm_guard.core.protocol import ConfigStatus, FailureSummary, RecycleSummary, ReplicaStatus, StatusSnapshot
 from vllm_guard.core.timefmt import human_duration, human_latency
 
 
@@ -43,6 +43,18 @@ def _replica(r: ReplicaStatus) -> str:
         nxt = ""
     return (f"{r.index}: {r.state.value}{phase}, generation {r.generation}{gpus}, {r.in_flight} in flight, "
             f"{r.served}{limit} served{last}{nxt}{standby}{retiring}")
+
+
+def _config(c: ConfigStatus) -> list[str]:
+    """The configuration's hash and file, what the last applied reload changed, and the last
+    reload when it did not apply (refused: why, the key named)."""
+    where = f" from {c.source}" if c.source else " (flags and defaults)"
+    when = f", reloaded {c.applied_at}: {', '.join(c.changed)}" if c.applied_at else ""
+    out = [f"config      {c.hash}{where}{when}"]
+    last = c.last_reload
+    if last is not None and last.outcome != "applied":
+        out.append(f"            last reload ({last.reason}) {last.outcome} at {last.at}: {last.detail}")
+    return out
 
 
 def _failure(f: FailureSummary) -> str:
@@ -99,6 +111,8 @@ def format_status(s: StatusSnapshot) -> str:
         growth = (f"growth since warm-up RSS {_mb(m.growth.rss_mb, True)}, GPU {_mb(m.growth.gpu_mb, True)}"
                   if m.growth is not None else f"warming up ({m.warmup_requests} requests)")
         lines.append(f"memory      RSS {_mb(m.current.rss_mb)}, GPU {_mb(m.current.gpu_mb)}; {growth}")
+    if s.config is not None:
+        lines += _config(s.config)
     lg = s.ledger
     if lg.ok and not lg.pending_writes and not lg.failed_writes:
         lines.append("ledger      ok")

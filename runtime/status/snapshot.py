@@ -16,7 +16,7 @@ from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.gpu import visible_uuids
 from vllm_guard.core.nvml import NvmlSession
 from vllm_guard.core.protocol import (
-    LedgerHealth, ProbeSummary, ReplicaStatus, RequestCounters, RuntimeState, StandbyStatus, StartPhase,
+    ConfigStatus, LedgerHealth, ProbeSummary, ReplicaStatus, RequestCounters, RuntimeState, StandbyStatus, StartPhase,
     StatusSnapshot,
 )
 
@@ -45,6 +45,7 @@ class StatusInputs:
     proxy: Proxy
     last_probe: ProbeSummary | None
     ledger: LedgerHealth
+    config: ConfigStatus | None = None
 
 
 def snapshot(x: StatusInputs) -> StatusSnapshot:
@@ -67,7 +68,7 @@ def snapshot(x: StatusInputs) -> StatusSnapshot:
     in_progress = next((r for d in x.drivers if (r := x.books.recycle_of(d.index)) is not None), None)
     reachable = first is not None and COARSE[first.state] in _REACHABLE
     return StatusSnapshot(
-        schema="vllm-guard-status/3",
+        schema="vllm-guard-status/4",
         state=x.state,
         state_for_s=round(x.state_for_s, 1),
         generation=x.generation,
@@ -93,6 +94,7 @@ def snapshot(x: StatusInputs) -> StatusSnapshot:
         ledger=x.ledger,
         recycle_strategy=x.cfg.server.recycle_strategy,
         replicas=[replica_status(d, x.books) for d in x.drivers],
+        config=x.config,
     )
 
 
@@ -120,6 +122,7 @@ def replica_status(d: ReplicaDriver, books: RuntimeBooks) -> ReplicaStatus:
         recycle_strategy=rec.strategy if rec is not None else (last.strategy if last is not None else None),
         standby=standby_status(nxt) if nxt is not None and nxt.standby else None,
         start_phases=[StartPhase(phase=p, s=t) for p, t in gen.start_phases()] if gen is not None else [],
+        config=gen.config or None if gen is not None else None,
     )
 
 

@@ -90,6 +90,8 @@ curl -sN "$URL/v1/completions" -H 'Content-Type: application/json' -o /tmp/strea
   > /tmp/stream.code &
 curl_pid=$!
 for _ in $(seq 1 300); do [ -s /tmp/stream.txt ] && break; sleep 0.1; done
+# reload re-reads guard.toml and recycles only when the runtime's configuration changed: change one key
+sed -i 's/^drain_timeout = "2m"$/drain_timeout = "121s"/' /etc/vllm-guard/guard.toml
 systemctl reload vllm-guard.service
 reload_rc=$?
 reload_at=$(date +%s.%N)
