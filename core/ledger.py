@@ -98,7 +98,10 @@ CREATE TABLE IF NOT EXISTS generations (
     updated_at TEXT,
     -- where its start went: JSON [[phase, seconds after spawn], ...] in the order a start goes
     -- (runtime/child/anatomy.py ORDER); written when it is ready and again when it ends
-    start_phases TEXT
+    start_phases TEXT,
+    -- the configuration it ran (runtime/reload.py `config_hash`); after a reload, the keys it changed (JSON)
+    config_hash TEXT,
+    config_changed TEXT
 );
 CREATE TABLE IF NOT EXISTS recycles (
     id INTEGER PRIMARY KEY,

@@ -135,6 +135,14 @@ def test_a_current_ledger_is_not_written_by_opening_it(tmp_path: Path) -> None:
     assert sha(db) == digest and beside(db) == {L.LEDGER_NAME}
 
 
+def test_a_new_ledger_has_every_column_a_migration_adds() -> None:
+    """`_SCHEMA` is the whole schema; `_MIGRATIONS` only brings older files up to it."""
+    conn = sqlite3.connect(":memory:")
+    conn.executescript(L._SCHEMA)
+    for table, cols in L._MIGRATIONS.items():
+        assert set(cols) <= L.columns(conn, table), f"{table}: {set(cols) - L.columns(conn, table)} only in _MIGRATIONS"
+
+
 def test_the_real_schema_2_example_ledger_migrates_without_losing_a_row(tmp_path: Path) -> None:
     db = tmp_path / "a100-80g.sqlite"
     shutil.copyfile(V2_EXAMPLE, db)
