@@ -361,6 +361,27 @@ def cpu_omp_bind(cfg: GuardConfig, env: dict[str, str] | os._Environ[str]) -> st
     return "nobind" if two_at_once(s.recycle_strategy, s.standby, s.replicas) else None
 
 
+MEGA_AOT_VAR = "VLLM_USE_MEGA_AOT_ARTIFACT"
+MEGA_AOT_SINCE = (0, 25)  # the first vLLM release line measured with it (docs/BENCHMARKS.md)
+
+
+def gpu_mega_aot(env: dict[str, str] | os._Environ[str], vllm_args: list[str], version: str) -> str | None:
+    """"1" where vLLM's GPU build should load its compiled graph as one artifact, else None.
+
+    vLLM loads the pieces torch.compile left one by one unless this is on (its default only from
+    torch 2.12): 3.6-4.6 s of every start after the first, a gated recycle's gap included, for the
+    7B shape on an H200. Decode was the same with it (H100, every batch size 1-256 that the capture
+    list pads alike: 0.993-1.006 of vLLM's defaults). Not where nothing is compiled (eager), not on
+    a vLLM older than the ones measured; the operator's own setting (even "0") wins."""
+    if MEGA_AOT_VAR in env or "--enforce-eager" in vllm_args:
+        return None
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return None
+    return "1" if (major, minor) >= MEGA_AOT_SINCE else None
+
+
 def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     import structlog
 
@@ -398,6 +419,11 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
                     "cpu_omp_bind", value=bind, why="two vLLM servers may run at once (a successor, a standby, "
                     "replicas): bound, each would take the same first cores")
             attention_isa(cfg, python, version)
+        elif (aot := gpu_mega_aot(os.environ, list(cfg.server.vllm_args), version)) is not None:
+            os.environ[MEGA_AOT_VAR] = aot  # every generation inherits it, the standby's and the successor's too
+            structlog.get_logger("vllm_guard.serve").info(
+                "gpu_mega_aot_artifact", value=aot, why=f"{MEGA_AOT_VAR} unset: one compiled artifact loads "
+                "seconds faster per start, decode unchanged")
         model = cfg.server.model
         if not model:
             try:

@@ -149,3 +149,14 @@ def test_vllm_cpu_servers_that_may_overlap_are_not_bound_to_the_same_cores() -> 
     c.server.replicas = 2
     assert cpu_omp_bind(c, {}) == "nobind"
     assert cpu_omp_bind(c, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) is None  # the operator's wins
+
+
+def test_a_gpu_vllm_loads_its_compiled_graph_as_one_artifact_unless_the_operator_says_otherwise() -> None:
+    from vllm_guard.runtime.cli import MEGA_AOT_VAR, gpu_mega_aot
+
+    assert gpu_mega_aot({}, [], "0.25.1") == "1"
+    assert gpu_mega_aot({}, ["--max-num-seqs", "8"], "0.32.0") == "1"
+    assert gpu_mega_aot({MEGA_AOT_VAR: "0"}, [], "0.25.1") is None  # the operator's wins, off included
+    assert gpu_mega_aot({}, ["--enforce-eager"], "0.25.1") is None  # nothing compiled
+    assert gpu_mega_aot({}, [], "0.11.2") is None  # older than any vLLM measured with it
+    assert gpu_mega_aot({}, [], "") is None  # version unknown
