@@ -393,7 +393,8 @@ class Supervisor:
     def apply_config(self, plan: reloads.ReloadPlan) -> None:
         """Swap in a reload's configuration: the one value here, and what each holder copied of
         it at start (the proxy, the books, the monitors, the launcher, the drivers)."""
-        assert plan.cfg is not None
+        if plan.cfg is None:  # only an `applied` plan carries one (not an assert: -O drops those)
+            raise ValueError(f"a reload judged {plan.verdict!r} has no configuration to apply")
         self.cfg, self.model, self.config_hash = plan.cfg, plan.model, plan.config_hash
         self.config_changed, self.config_applied_at = plan.changed, utcnow()
         self.proxy.configure(self.cfg.server)
