@@ -423,6 +423,7 @@ class Command(str, enum.Enum):
     HOLD = "hold"  # stop all (re)starting until released
     RELEASE = "release"
     RELOAD = "reload"  # re-read guard.toml as the runtime composed it; applied through a recycle
+    UPGRADE = "upgrade"  # hand the serving generations and the socket to the next runtime, then exit
 
 
 # which ledger classes each command may be recorded as (default first)
@@ -432,6 +433,7 @@ COMMAND_CLASSES: dict[Command, tuple[EndClass, ...]] = {
     Command.HOLD: (),
     Command.RELEASE: (),
     Command.RELOAD: (EndClass.SCHEDULED,),
+    Command.UPGRADE: (),
 }
 
 

@@ -83,6 +83,10 @@ ADMIN_COMMANDS = {
     "reload": "re-read guard.toml (the runtime's file, its serve flags on top) and apply it through a "
               "graceful recycle; refused whole (exit 2, the key named) for a bad file or a key only a "
               "restart applies; nothing changed: no recycle (systemctl reload sends SIGHUP: the same)",
+    "upgrade": "hand the serving vLLM and the socket over to the next runtime, then exit: new connections "
+               "wait in the socket's backlog, requests in flight finish, and the next `vllm-guard serve` (systemd "
+               "starts it) adopts vLLM instead of starting one (needs vllm-guard.socket; systemctl restart does "
+               "the same)",
 }
 
 
@@ -105,6 +109,9 @@ def add_commands(sub: Any) -> dict[str, Handler]:
             "DUR" if flag.endswith(("timeout", "wait", "uptime", "after", "interval", "lead")) else None)
         s.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None, help=text, metavar=metavar)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--recycle-adopted", action="store_true",
+                   help="recycle the vLLM a previous runtime handed over (upgrade) onto this runtime at once, "
+                        "even with the same configuration (a changed one is recycled anyway)")
     add_strategy_flags(s)
 
     for name, text in ADMIN_COMMANDS.items():
@@ -391,9 +398,14 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     from .records.writer import RuntimeLedger
     from .supervisor import Supervisor
 
+    from .frontdoor import listen
+
     cfg = serve_config(args, vllm_args)
     python = cfg.server.python or sys.executable
-    _preflight_port(cfg.server.host, cfg.server.port)
+    listen_sock = listen.inherited()  # systemd's socket (vllm-guard.socket): the port outlives the runtime
+    listen.forget(os.environ)
+    if listen_sock is None:
+        _preflight_port(cfg.server.host, cfg.server.port)
     _preflight_group(cfg.server.admin_group)
     _preflight_model(cfg.server.model)
     lock = _lock_state_dir(Path(cfg.server.state_dir))
@@ -431,7 +443,8 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
             except RuntimeError as e:
                 print(f"vllm-guard: error: {e}", file=sys.stderr)
                 return EXIT_BOOT_ERROR
-        sup = Supervisor(cfg, model, python, ledger, compose=composer(args, vllm_args, python))
+        sup = Supervisor(cfg, model, python, ledger, compose=composer(args, vllm_args, python),
+                         listen_sock=listen_sock, recycle_adopted=args.recycle_adopted)
         runner: Callable[[Any], Any] = asyncio.run
         try:
             import uvloop  # vLLM depends on it; faster proxying where present

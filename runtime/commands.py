@@ -22,6 +22,7 @@ from vllm_guard.core.protocol import Command, CommandReply, CommandRequest, Runt
 from .reload import ReloadPlan
 from .replica.decide import decide
 from .replica.driver import ReplicaDriver
+from .child import handover
 from .replica.view import Event, Facts, RecycleCmd, RestartCmd
 
 log = structlog.get_logger("vllm_guard.supervisor")
@@ -53,7 +54,9 @@ class Runtime(Protocol):
 
     def wake(self) -> None: ...
 
-    def begin_stop(self, second: bool) -> None: ...
+    def begin_stop(self, second: bool, hand_over: bool = False) -> None: ...
+
+    def can_hand_over(self) -> bool: ...
 
     async def set_hold(self, reason: str) -> str: ...
 
@@ -80,6 +83,7 @@ class Commands:
             Command.HOLD: self.hold,
             Command.RELEASE: self.release,
             Command.RELOAD: self.reload,
+            Command.UPGRADE: self.upgrade,
         }
 
     def put(self, item: CommandRequest | Stop) -> None:
@@ -100,7 +104,10 @@ class Commands:
             if isinstance(item, Stop):
                 log.info("command", command="stop", signal=item.signal)
                 self.stop_requests += 1
-                self.rt.begin_stop(second=self.stop_requests > 1)
+                second = self.stop_requests > 1
+                # systemd stopping a socket-activated unit to restart it: an upgrade, hand over
+                hand = not second and self.rt.can_hand_over() and await asyncio.to_thread(handover.systemd_restarting)
+                self.rt.begin_stop(second=second, hand_over=hand)
                 continue
             log.info("command", command=item.command.value, reason=item.reason,
                      cls=item.cls.value if item.cls else None, replica=item.replica,
@@ -191,6 +198,20 @@ class Commands:
         self.rt.note_reload(req.reason, "applied", plan.detail)
         recycled = await self._each(self.rt.drivers, event)
         return self._reply(req, True, "; ".join([plan.detail, *recycled]))
+
+    async def upgrade(self, req: CommandRequest) -> CommandReply:
+        """Hand over to the next runtime (`runtime/handover.py`): stop taking connections, let
+        the requests in flight finish, exit leaving the serving generations for the next
+        `vllm-guard serve` on the same socket (systemd starts it on the next connection)."""
+        if not self.rt.can_hand_over():
+            return self._reply(req, False, "this runtime did not get its listening socket from systemd "
+                               "(vllm-guard.socket): its port would close with it; use systemctl restart")
+        if self.stop_requests:
+            return self._reply(req, False, "the runtime is already stopping")
+        self.stop_requests += 1
+        self.rt.begin_stop(second=False, hand_over=True)
+        return self._reply(req, True, "handing over: new connections wait for the next runtime; this one exits "
+                           "once its requests in flight are done, leaving vLLM running")
 
     async def hold(self, req: CommandRequest) -> CommandReply:
         return self._reply(req, True, await self.rt.set_hold(req.reason))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 import time
 from dataclasses import replace
@@ -37,7 +38,9 @@ from vllm_guard.core.timefmt import utcnow
 
 from . import lifecycle
 from . import reload as reloads
-from .child import procs
+from .child import backend as backends
+from .child import handover, procs
+from .child.keeper import start_ticks
 from .commands import Commands
 from .loopwatch import LoopWatch
 from .frontdoor.proxy import Proxy
@@ -52,7 +55,7 @@ from .replica.launch import Launcher
 from .replica.machine import aggregate, final
 from .replica.monitors import MonitorKit, guarded, status_loop
 from .replica.strategy import StartHistory
-from .replica.view import Facts, HoldCmd, ReleaseCmd, StopCmd
+from .replica.view import Facts, HoldCmd, RecycleCmd, ReleaseCmd, StopCmd
 from .servers import metrics
 from .status.snapshot import StatusInputs, snapshot, status_line, visible_gpu_name
 
@@ -78,7 +81,8 @@ Compose = Callable[[], tuple[GuardConfig, str]]
 
 class Supervisor:
     def __init__(self, cfg: GuardConfig, model: str, python: str = sys.executable,
-                 ledger: RuntimeLedger | None = None, compose: Compose | None = None) -> None:
+                 ledger: RuntimeLedger | None = None, compose: Compose | None = None,
+                 listen_sock: socket.socket | None = None, recycle_adopted: bool = False) -> None:
         # the configuration: one value, swapped only by `apply_config` (a reload), never changed in place
         self.cfg = cfg
         self.model = model
@@ -122,6 +126,12 @@ class Supervisor:
         self._turn_began: float | None = None  # the turn in progress began (monotonic); None: asleep
         self._overrun = False
         self._extend_sent = 0.0
+        # the hand-over (runtime/handover.py): possible only on a listening socket systemd holds
+        self.listen_sock = listen_sock
+        self.recycle_adopted = recycle_adopted  # recycle an adopted generation onto this runtime at once
+        self.handing_over = False
+        self.handed: list[Generation] = []
+        self._adopted: dict[int, str] = {}  # replica -> config hash of the generation it adopts
 
     # -- what status and the commands see ----------------------------------------------------
     @property
@@ -178,6 +188,7 @@ class Supervisor:
                 for d in self.drivers:
                     await d.tick(lambda d=d: self.facts(d))  # type: ignore[misc]
                 await self._tell_stop()
+                await self._recycle_adopted()
                 t3 = time.monotonic()
                 await self._heartbeat()
                 self._note_slow_turn(t0, t1, t2, t3, time.monotonic())
@@ -213,11 +224,12 @@ class Supervisor:
             name = visible_gpu_name(self.nvml, {**os.environ, **d.plan.env()})
             d.gpu_name = name
             self.books.set_gpu_name(d.index, name)
+        self._take_handover(launcher)
         orphans = await lifecycle.kill_orphans(self.ledger)
         for lost in self.ledger.close_open_generations(FailureKind.RUNTIME_LOST.value):
             self.books.lost(lost.generation, lost.replica, lost.failure_id, lost.at)
         self.ledger.attach(self.proxy.listeners, self.cfg)  # every request and memory reading to the ledger
-        await self.proxy.start()
+        await self.proxy.start(self.listen_sock)
         if admin_start is not None:  # keep a reference: a dropped runner closes
             self.admin = await admin_start(self.state_dir, self.cfg.server, self.status, self.commands.submit)
         task = metrics.start(self.cfg.server, self.state_dir, self.status, self.proxy)
@@ -238,6 +250,8 @@ class Supervisor:
         self.loopwatch.stop()
         for d in self.drivers:
             await d.kill_for_good(self._ended_by_error)
+        if self.handed:
+            await asyncio.to_thread(self._write_handover)
         await self.proxy.stop()
         if self.admin is not None:
             await self.admin.cleanup()
@@ -246,6 +260,77 @@ class Supervisor:
         if self.nvml is not None:
             self.nvml.close()
         await asyncio.to_thread(self.ledger.close)
+
+    # -- the hand-over (runtime/handover.py) ----------------------------------------------------
+    def _take_handover(self, launcher: Launcher) -> None:
+        """What a previous runtime handed over: each generation that still holds is adopted by
+        its replica's first start; one that does not is left to the orphan kill."""
+        record = handover.take(self.state_dir)
+        rows: set[int] = set()
+        adoptable: dict[int, handover.HandedGeneration] = {}
+        if record is None:
+            launcher.hand_over(self.listen_sock is not None, adoptable, None)
+            return
+        for g in record.generations:
+            why = handover.holds(g) if self.listen_sock is not None else "this runtime has no socket from systemd"
+            if why is None and self.hold is not None:
+                why = f"the service is held ({self.hold})"
+            if why is None and g.replica not in launcher.plans:
+                why = f"this runtime has no replica {g.replica}"
+            if why is not None:
+                log.warning("handover_refused", generation=g.generation, replica=g.replica, why=why)
+                continue
+            adoptable[g.replica] = g
+            self._adopted[g.replica] = g.config_hash
+            rows.add(g.row)
+        self.ledger.adopting(rows)
+        launcher.hand_over(self.listen_sock is not None, adoptable, Path(record.mark) if rows else None)
+
+    def _write_handover(self) -> None:
+        """The record for the next runtime, then the keeper's lease: the runtime's last acts."""
+        mark = handover.new_mark(self.state_dir)
+        gens = []
+        for gen in self.handed:
+            b = gen.backend
+            procs_now = [handover.Proc(pid=p, ticks=t) for p in sorted(b.known_pids)
+                         if (t := start_ticks(p)) is not None]
+            api_ticks = start_ticks(b.pid)
+            if api_ticks is None:
+                continue
+            gens.append(handover.HandedGeneration(
+                replica=gen.replica, generation=gen.number, row=gen.row, api=handover.Proc(pid=b.pid, ticks=api_ticks),
+                procs=procs_now, model=b.model, vllm_args=list(b.vllm_args), host=b.host, port=b.port,
+                uds=str(b.uds) if b.uds is not None else None, log_path=str(b.log_path), config_hash=gen.config))
+        record = handover.Record(state_dir=str(self.state_dir.resolve()), runtime_pid=os.getpid(), written_at=utcnow(),
+                                 lease_s=handover.LEASE_S, mark=str(mark.resolve()), generations=gens)
+        handover.write(self.state_dir, record)
+        backends.hand_over(handover.LEASE_S, mark.resolve())
+        log.info("handover_written", generations=[g.generation for g in gens], lease_s=handover.LEASE_S,
+                 record=str(handover.record_path(self.state_dir)))
+
+    async def _recycle_adopted(self) -> None:
+        """An adopted generation that serves is recycled onto this runtime's configuration at
+        once when it ran another one (or `--recycle-adopted` asks); else it serves on."""
+        for d in self.drivers:
+            ran = self._adopted.get(d.index)
+            if ran is None or self.stopping:
+                continue
+            if ran == self.config_hash and not self.recycle_adopted:
+                del self._adopted[d.index]
+                continue
+            # asked every turn until `decide` takes it (it refuses while the generation is not yet ready)
+            took = await d.handle(RecycleCmd("upgrade", EndClass.SCHEDULED, None), lambda d=d: self.facts(d))  # type: ignore[misc]
+            if took.reply is not None and took.reply.accepted:
+                del self._adopted[d.index]
+                log.info("adopted_recycle", replica=d.index, ran=ran, config=self.config_hash,
+                         why="another configuration" if ran != self.config_hash else "--recycle-adopted")
+
+    def can_hand_over(self) -> bool:
+        """Only on a socket systemd holds: else the port would close with this runtime."""
+        return self.listen_sock is not None
+
+    def handed_over(self, gen: Generation) -> None:
+        self.handed.append(gen)
 
     def _ended_by_error(self, gen: Generation) -> None:
         self.ledger.generation_ended(gen.row, "runtime_error", EndClass.UNPLANNED.value, gen.target.completed)
@@ -337,10 +422,16 @@ class Supervisor:
         self.books.set_version(version)
 
     # -- stop, hold --------------------------------------------------------------------------
-    def begin_stop(self, second: bool) -> None:
-        """SIGTERM/SIGINT (a second one shortens the ladder): the loop tells every replica."""
+    def begin_stop(self, second: bool, hand_over: bool = False) -> None:
+        """SIGTERM/SIGINT (a second one shortens the ladder): the loop tells every replica. A
+        hand-over (`handover`) first stops taking connections: they wait for the next runtime."""
         if not self.stopping:
             self.notifier.stopping()
+            if hand_over and self.can_hand_over():
+                self.handing_over = True
+                self.proxy.stop_accepting()
+                log.info("handing_over", why="the next runtime takes the serving generations and the socket",
+                         in_flight=self.proxy.in_flight)
         self._begin_stop(second)
 
     def _begin_stop(self, second: bool) -> None:
@@ -353,7 +444,7 @@ class Supervisor:
             return
         second, self._stop_pending = self._stop_pending, None
         for d in self.drivers:
-            await d.handle(StopCmd(second), lambda d=d: self.facts(d))  # type: ignore[misc]
+            await d.handle(StopCmd(second, hand_over=self.handing_over), lambda d=d: self.facts(d))  # type: ignore[misc]
 
     async def set_hold(self, reason: str) -> str:
         """Hold: nothing (re)starts until release; returns what the operator is told. What a

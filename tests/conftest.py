@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import signal
@@ -131,14 +132,25 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(out)
 
 
+# fd N onto fd 3, LISTEN_PID = this pid, then exec the command (exec keeps the pid): sd_listen_fds(3)
+_LISTEN_EXEC = ("import os,sys\n"
+                "fd=int(sys.argv[1]);os.dup2(fd,3);os.close(fd)\n"
+                "os.environ.update(LISTEN_PID=str(os.getpid()),LISTEN_FDS='1')\n"
+                "os.execvp(sys.argv[2],sys.argv[2:])\n")
+
+
 class GuardServer:
     """`vllm-guard serve` as a real subprocess; talks to it over HTTP and the admin socket."""
 
     def __init__(self, model: str, state_dir: Path, args: list[str] | None = None,
-                 env: dict[str, str] | None = None, vllm_args: list[str] | None = None) -> None:
+                 env: dict[str, str] | None = None, vllm_args: list[str] | None = None,
+                 listen: socket.socket | None = None) -> None:
         self.model = model
         self.state_dir = state_dir
-        self.port = free_port()
+        # `listen`: a listening socket this test holds as systemd's vllm-guard.socket would, handed
+        # to the runtime as fd 3 with LISTEN_FDS/LISTEN_PID (sd_listen_fds(3))
+        self.listen = listen
+        self.port = free_port() if listen is None else int(listen.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = args or []
         self.env = {**os.environ, **CHILD_ENV, **(env or {})}
@@ -160,7 +172,17 @@ class GuardServer:
         cmd = [*GUARD_CMD, "serve", "--model", self.model, "--port", str(self.port),
                "--state-dir", str(self.state_dir), *pin, *self.args, "--", *self.vllm_args]
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        if self.listen is None:
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+            return self
+        # the socket lands on fd 3 and LISTEN_PID is the runtime's own pid (exec keeps it), as systemd does
+        fd = fcntl.fcntl(self.listen.fileno(), fcntl.F_DUPFD_CLOEXEC, 10)
+        try:
+            wrap = [sys.executable, "-S", "-c", _LISTEN_EXEC, str(fd)]
+            self.proc = subprocess.Popen(wrap + cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                         pass_fds=(fd,))
+        finally:
+            os.close(fd)
         return self
 
     def status(self) -> dict[str, Any]:

@@ -70,6 +70,8 @@ def view_of(state: State) -> ReplicaView:
         m = replace(m, recycle=REC)
     elif state is S.DRAINING:
         m, cur = replace(m, recycle=REC), gen(1, GenPhase.DRAINING, in_flight=1)
+    elif state is S.HANDING_OVER:
+        cur = gen(1, GenPhase.SERVING, in_flight=1)
     elif state in (S.STOPPING, S.FAILING):
         m, cur = replace(m, recycle=REC if state is S.STOPPING else None), gen(1, GenPhase.STOPPING, alive=(7,))
     elif state is S.OPENING_GATE:
@@ -141,6 +143,9 @@ EXPECT: dict[State, dict[str, object]] = {
     S.EXITING: {"tick": SAME, "crash": SAME, "hang": SAME, "recycle": "shutting down", "restart": "shutting down",
                 "hold": SAME, "release": SAME, "stop": SAME, "stop2": SAME, "spawn_failed": SAME},
 }
+EXPECT[S.HANDING_OVER] = {"tick": SAME, "crash": S.FAILING, "hang": SAME, "recycle": "already in progress",
+                          "restart": S.FAILING, "hold": SAME, "release": SAME, "stop": S.STOPPING,
+                          "stop2": S.STOPPING, "spawn_failed": S.EXITING}
 EXPECT[S.PAST_GATE] = {**EXPECT[S.STARTING], "spawn_failed": SAME}  # nothing is spawned there
 EXPECT[S.GATED_PARKING] = dict(EXPECT[S.OVERLAP_STARTING])
 
@@ -243,6 +248,8 @@ EDGE_CASES: dict[str, tuple[State, State, Case]] = {
     "killed: the starting successor takes over": (
         S.FAILING, S.STARTING, with_(S.FAILING, current=GONE, successor=UNGATED)),
     "backed off: start again": (S.BACKOFF, S.STARTING, with_(S.BACKOFF, machine={"deadline": NOW - 1})),
+    **{f"a hand-over while {s.value}": (s, S.HANDING_OVER, with_(s, StopCmd(hand_over=True), stopping=True))
+       for s in (S.SERVING, S.STANDBY, S.WAITING_TURN, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY)},
 }
 
 
@@ -382,3 +389,50 @@ def test_a_recycle_that_ends_with_nothing_ready_is_over() -> None:
         assert d.machine.recycle is None and kinds(d, RecycleOver) == [RecycleOver()], (name, state)
     v, e = event_of("tick", view_of(S.SERVING))
     assert not kinds(decide(v, e, NOW), RecycleOver)  # type: ignore[arg-type]
+
+
+# -- the hand-over to the next runtime (runtime/handover.py) ---------------------------------------
+@pytest.mark.parametrize("state", [S.SERVING, S.STANDBY, S.WAITING_TURN, S.OVERLAP_STARTING, S.GATED_PARKING,
+                                   S.UNREADY], ids=lambda s: s.value)
+def test_a_hand_over_keeps_the_serving_generation_and_refuses_no_request(state: State) -> None:
+    v = view_of(state)
+    v = replace(v, facts=replace(v.facts, stopping=True))
+    d = decide(v, StopCmd(hand_over=True), NOW)
+    assert d.machine.state is S.HANDING_OVER and d.machine.recycle is None
+    assert d.machine.deadline == NOW + v.facts.cfg.server.drain_timeout
+    kinds = [type(e).__name__ for e in d.effects]
+    assert "RejectRequests" not in kinds and "Stop" not in kinds and "Drain" not in kinds, kinds
+    assert ("Abandon" in kinds) == (v.successor is not None), kinds  # a successor or standby goes
+
+
+@pytest.mark.parametrize("state", [S.STARTING, S.PAST_GATE, S.DRAINING, S.BACKOFF, S.HELD], ids=lambda s: s.value)
+def test_a_hand_over_of_a_replica_that_does_not_serve_is_a_plain_stop(state: State) -> None:
+    v = view_of(state)
+    v = replace(v, facts=replace(v.facts, stopping=True))
+    plain, handed = decide(v, StopCmd(), NOW), decide(v, StopCmd(hand_over=True), NOW)
+    assert handed.machine.state is plain.machine.state is not S.HANDING_OVER
+    assert [type(e) for e in handed.effects] == [type(e) for e in plain.effects]
+
+
+def test_handing_over_detaches_the_generation_once_its_requests_are_done() -> None:
+    v = view_of(S.HANDING_OVER)
+    busy = decide(v, Tick(), NOW)
+    assert busy.machine.state is S.HANDING_OVER and not busy.effects
+    done = decide(replace(v, current=replace(v.current, in_flight=0)), Tick(), NOW)  # type: ignore[arg-type]
+    assert done.machine.state is S.EXITING
+    assert [type(e).__name__ for e in done.effects] == ["Detach"]
+
+
+def test_handing_over_past_the_drain_timeout_detaches_with_requests_still_running() -> None:
+    v = view_of(S.HANDING_OVER)
+    late = decide(v, Tick(), (v.machine.deadline or NOW) + 1)
+    assert late.machine.state is S.EXITING
+    assert [type(e).__name__ for e in late.effects] == ["Log", "Detach"]
+    assert late.effects[0].event == "drain_timeout"  # type: ignore[union-attr]
+
+
+def test_a_generation_that_dies_while_handing_over_is_a_failure_not_handed_over() -> None:
+    v = view_of(S.HANDING_OVER)
+    d = decide(replace(v, current=replace(v.current, exit_code=-9)), Tick(), NOW)  # type: ignore[arg-type]
+    assert d.machine.state is S.FAILING
+    assert "Detach" not in [type(e).__name__ for e in d.effects]

@@ -39,6 +39,7 @@ from vllm_guard.core.protocol import ChildProcess
 from . import procs
 from .. import statedir
 from .death import root_cause
+from .adopted import AdoptedProcess
 from .keeper import Keeper
 
 if TYPE_CHECKING:
@@ -56,6 +57,12 @@ _LAUNCH = ("import ctypes,os,signal,sys\n"
            "if os.getppid()!=int(sys.argv[1]):os._exit(70)\n"
            "os.nice(int(sys.argv[2]))\n"
            "os.execv(sys.argv[3],sys.argv[3:])\n")
+# The same without the parent-death signal: a generation that may be handed over to the next
+# runtime must outlive this one; the keeper alone stops it if this runtime dies instead.
+_LAUNCH_KEPT = ("import os,sys\n"
+                "if os.getppid()!=int(sys.argv[1]):os._exit(70)\n"
+                "os.nice(int(sys.argv[2]))\n"
+                "os.execv(sys.argv[3],sys.argv[3:])\n")
 _keeper: Keeper | None = None
 
 
@@ -65,6 +72,14 @@ def keeper(marker: str) -> Keeper:
     if _keeper is None or _keeper.proc.poll() is not None or _keeper.marker != marker:
         _keeper = Keeper(marker)
     return _keeper
+
+
+def hand_over(lease_s: float, mark: Path) -> None:
+    """This runtime exits leaving generations for the next one: its keeper waits `lease_s` for
+    `mark` before it kills what it watches (the runtime's last act, after the record is written)."""
+    if _keeper is not None and _keeper.proc.poll() is None:
+        _keeper.lease(lease_s, str(mark))
+        _keeper.detach()
 
 
 def socket_path(state_dir: Path, generation: int) -> Path:
@@ -128,12 +143,13 @@ class Backend:
     log_path: Path
     python: str = sys.executable
     env: dict[str, str] = field(default_factory=dict)
-    proc: asyncio.subprocess.Process | None = None
+    proc: asyncio.subprocess.Process | AdoptedProcess | None = None
     known_pids: set[int] = field(default_factory=set)
     started_mono: float = 0.0
     pid_started: float | None = None  # the API server's start time (epoch s): tells a reused pid
     uds: Path | None = None  # vLLM's --uds socket (set when host is empty)
     nice: int = 0  # nice levels below the runtime ([server] backend_nice)
+    deathsig: bool = True  # dies with the runtime (False: it may be handed over, the keeper guards it)
 
     def __post_init__(self) -> None:
         if not self.host and self.uds is None:
@@ -173,7 +189,8 @@ class Backend:
 
     def launch_command(self) -> list[str]:
         """`command()` behind the parent-death launcher."""
-        return [self.python, "-S", "-c", _LAUNCH, str(os.getpid()), str(self.nice), *self.command()]
+        launch = _LAUNCH if self.deathsig else _LAUNCH_KEPT
+        return [self.python, "-S", "-c", launch, str(os.getpid()), str(self.nice), *self.command()]
 
     def _open_log(self) -> int:
         """The generation's log, opened with no link followed inside the state dir."""
@@ -209,6 +226,20 @@ class Backend:
                 keeper(f"{plugin.STATE_DIR_VAR}={marker}").watch(self.proc.pid)
             except OSError as e:  # the parent-death signal still stops the API server
                 log.error("keeper_failed", error=str(e))
+
+    def adopt(self, proc: AdoptedProcess, pids: Iterable[int]) -> None:
+        """Take over a generation a previous runtime handed over (`runtime/handover.py`): its
+        API server, the processes it had, and this runtime's keeper watching them all."""
+        self.proc, self.deathsig = proc, False
+        self.started_mono = time.monotonic()
+        self.known_pids.update({proc.pid, *pids})
+        self.pid_started = procs.start_time(proc.pid)
+        marker = self.env.get(plugin.STATE_DIR_VAR)
+        if marker:
+            k = keeper(f"{plugin.STATE_DIR_VAR}={marker}")
+            k.watch(proc.pid)
+            for pid in sorted(self.known_pids):
+                k.process(proc.pid, pid)
 
     # -- processes (blocking /proc reads run in a worker thread) ------------------------------
     async def children(self) -> list[ChildProcess]:

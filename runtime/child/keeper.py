@@ -23,9 +23,16 @@ field 22), which together are never reused:
   members of each group that is provably still the generation's (its leader, or a remembered
   member, is still alive with the same start time) started no earlier than its leader.
 
+A hand-over to the next runtime (`runtime/handover.py`) is the one exception, and it is explicit:
+the runtime's last line before a clean exit is `!SECONDS PATH`. At EOF the keeper then waits up to
+SECONDS for the next runtime to create PATH (it adopted the generations and its own keeper watches
+them) and exits without killing; if PATH does not appear in time, it kills as above. A runtime
+that is killed never sends that line, so its vLLM dies with it.
+
 Run as a script (`python -I -S keeper.py MARKER`); lines on stdin: `+PGID START` (watch the
 group led by PGID, whose leader started at START ticks), `=PGID PID START` (a process of that
-group) and `-PGID` (forget the group and its processes). MARKER names the runtime in `ps`.
+group), `-PGID` (forget the group and its processes) and `!SECONDS PATH` (the hand-over lease).
+MARKER names the runtime in `ps`.
 Stdlib only and importing nothing of the project (`-I -S`): the identity rule lives here, and the
 runtime's `procs` imports it from here.
 """
@@ -81,6 +88,7 @@ class Watch:
     def __init__(self) -> None:
         self.groups: dict[int, int | None] = {}
         self.procs: dict[tuple[int, int], int] = {}
+        self.lease: tuple[float, str] | None = None  # (seconds, path): a hand-over at EOF
 
     def line(self, text: str) -> None:
         """Apply one line of the runtime's (malformed lines are ignored)."""
@@ -92,6 +100,10 @@ class Watch:
                 group, pid, ticks = (int(x) for x in text[1:].split())
                 if group in self.groups:
                     self.procs[(pid, ticks)] = group
+            elif text.startswith("!"):
+                seconds, _, path = text[1:].partition(" ")
+                if path.strip():
+                    self.lease = (max(0.0, float(seconds)), path.strip())
             elif text.startswith("-"):
                 gone = int(text[1:])
                 self.groups.pop(gone, None)
@@ -126,6 +138,19 @@ class Watch:
         return sorted(ours)
 
 
+def adopted(watch: Watch, me: int, seconds: float, path: str) -> bool:
+    """A hand-over: wait up to `seconds` for the next runtime's mark at `path` (it adopted the
+    generations), remembering group members meanwhile. False: nobody took them over in time."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if os.path.exists(path):
+            return True
+        if watch.groups:
+            watch.scan(me)
+        time.sleep(0.1)
+    return os.path.exists(path)
+
+
 def main(marker: str) -> int:
     del marker  # only for `ps`: which runtime this keeper belongs to
     watch = Watch()
@@ -145,6 +170,8 @@ def main(marker: str) -> int:
         elif watch.groups:
             watch.scan(me)
     # EOF: the runtime is gone (or closed the pipe after stopping everything itself)
+    if watch.lease is not None and adopted(watch, me, *watch.lease):
+        return 0
     end = time.monotonic() + KILL_FOR_S
     while watch.groups and time.monotonic() < end:
         pids = watch.scan(me)
@@ -193,6 +220,19 @@ class Keeper:
 
     def forget(self, pgid: int) -> None:
         self._send(f"-{pgid}")
+
+    def lease(self, seconds: float, path: str) -> None:
+        """A hand-over: at EOF wait up to `seconds` for `path` before killing (see the module)."""
+        self._send(f"!{seconds:.1f} {path}")
+
+    def detach(self) -> None:
+        """Let this runtime exit while the keeper waits out its lease: close the pipe (EOF starts
+        the lease), do not wait for the keeper."""
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
 
     def close(self, timeout: float = 10.0) -> None:
         """Close the pipe (the caller stopped every generation) and wait for the keeper."""

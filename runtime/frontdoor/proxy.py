@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from typing import Any, Callable
 
@@ -43,7 +44,7 @@ from vllm_guard.core import latency
 from vllm_guard.core.config import ServerConfig
 from vllm_guard.core.protocol import LatencySummary, RejectReason
 
-from . import detok, routes
+from . import detok, listen, routes
 from .admission import Admission, Limits, Pass, Refusal
 from .answers import answer
 from .bodies import Bodies, Refused, discard
@@ -118,7 +119,9 @@ class Proxy:
         return self.bodies.held
 
     # -- control (called by the supervisor) -------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Listen on [server] host/port, or on `sock`, the listening socket systemd holds
+        (`listen.inherited`): then the port outlives this runtime."""
         app = web.Application(client_max_size=self.bodies.max_body)
         app.router.add_route("*", "/{tail:.*}", self.handle, expect_handler=_no_expect)
         # handler_cancellation: a client that disconnects cancels its handler, wherever it waits.
@@ -130,9 +133,15 @@ class Proxy:
         inner = self._runner.server
         assert inner is not None
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self.gate.factory(inner), self.cfg.host, self.cfg.port,
-                                                reuse_address=True, backlog=2048)
-        log.info("proxy_listening", host=self.cfg.host, port=self.cfg.port, max_connections=self.gate.cap,
+        if sock is None:
+            self._server = await loop.create_server(self.gate.factory(inner), self.cfg.host, self.cfg.port,
+                                                    reuse_address=True, backlog=2048)
+            host, port = self.cfg.host, self.cfg.port
+        else:
+            self._server = await loop.create_server(self.gate.factory(inner), sock=sock, backlog=2048)
+            host, port = listen.address(sock)
+        log.info("proxy_listening", host=host, port=port, socket="systemd" if sock is not None else "own",
+                 max_connections=self.gate.cap,
                  max_body_mb=self.cfg.max_body_mb, header_timeout_s=self.cfg.header_timeout,
                  idle_timeout_s=self.cfg.idle_timeout)
         self._tasks.append(asyncio.create_task(self._load_tokenizer()))
@@ -161,6 +170,17 @@ class Proxy:
                         detail="streams cut by a dead backend end with an error; requests that got no byte are re-run")
         else:
             log.info("stream_resumption_on", tokenizer=self.facts.tokenizer, migration_limit=self.policy.num_retries)
+
+    def stop_accepting(self) -> None:
+        """A hand-over to the next runtime: take no new connection (the kernel keeps them in the
+        backlog of the socket systemd holds, for the next runtime), and close each open connection
+        once its current request is answered (an idle keep-alive one at once), so a client's next
+        request reaches the next runtime instead of this one."""
+        if self._server is not None:
+            self._server.close()
+        inner = self._runner.server if self._runner is not None else None
+        for conn in list(inner.connections) if inner is not None else []:
+            conn.close()
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -118,6 +118,7 @@ class RuntimeLedger:
             self._ids = {t: self._max_id(reader, t) for t in RUNTIME_TABLES}
             self.first_generation = L.next_generation(reader)
             self._open = self._open_generations(reader)
+            self._adopted: set[int] = set()
         except sqlite3.Error as e:  # a corrupt page, a missing table
             self._close_conn()
             raise L.LedgerError(f"{self.path} cannot be read: {type(e).__name__}: {e}") from e
@@ -308,8 +309,15 @@ class RuntimeLedger:
         return [OpenGeneration(int(r[0]), int(r[1]), r[2], r[3], int(r[4] or 0), str(r[5])) for r in rows]
 
     def open_generations(self) -> list[OpenGeneration]:
-        """Generations a previous runtime left open (read when this ledger was opened)."""
+        """Generations a previous runtime left open (read when this ledger was opened), but for
+        those it handed over to this one (`adopting`)."""
         return list(self._open)
+
+    def adopting(self, rows: set[int]) -> None:
+        """These open rows are generations a previous runtime handed over: this runtime goes on
+        with them, they are neither orphans nor lost."""
+        self._open = [g for g in self._open if g.id not in rows]
+        self._adopted = set(rows)
 
     def close_open_generations(self, reason: str) -> list[LostGeneration]:
         """A generation a previous runtime left open ended when it was last seen (its last
@@ -317,8 +325,10 @@ class RuntimeLedger:
         Each is an unplanned failure of its own (`reason`, at that time), restored when a
         generation of its replica serves again. Queued like every write (before this runtime's
         first generation)."""
+        keep = sorted(self._adopted)
         self._put("UPDATE generations SET ended_at = COALESCE(updated_at, ready_at, started_at), end_reason = ?, "
-                  "end_class = ? WHERE ended_at IS NULL", (reason, L.UNPLANNED), "close open generations")
+                  f"end_class = ? WHERE ended_at IS NULL AND id NOT IN ({','.join('?' * len(keep))})",
+                  (reason, L.UNPLANNED, *keep), "close open generations")
         lost = []
         for g in self._open:
             row = self._next_id("failures")

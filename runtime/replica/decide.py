@@ -49,7 +49,8 @@ from .steps import (
 )
 from .strategy import Strategy, gated_fits
 from .view import (
-    Abandon, Decision, EnforceLimits, Event, ExitAll, Extend, Failure, Finish, GenPhase, GenView, GoLive, HoldCmd,
+    Abandon, Decision, Detach, EnforceLimits, Event, ExitAll, Extend, Failure, Finish, GenPhase, GenView, GoLive,
+    HoldCmd,
     LearnGate, LearnStandby, LearnStart, Leaving, OpenGate, Promote, RecycleCmd, RecycleMark, RecycleReady,
     RejectRequests, ReleaseCmd, ReplicaView, Reply, RestartCmd, Slot, Spawn, SpawnFailed, Stop, StopCmd, Tick, log,
 )
@@ -101,6 +102,8 @@ def _tick(v: ReplicaView, now: float, out: Out) -> None:
         _serving(v, now, out)
     elif st is S.DRAINING:
         _draining(v, now, out)
+    elif st is S.HANDING_OVER:
+        _handing_over(v, now, out)
     elif st is S.STOPPING:
         _stopping(v, now, out)
     elif st is S.OPENING_GATE:
@@ -340,6 +343,22 @@ def _draining(v: ReplicaView, now: float, out: Out) -> None:
         out.to(S.STOPPING, now, stop_span(v, kill=False))
 
 
+def _handing_over(v: ReplicaView, now: float, out: Out) -> None:
+    """The runtime exits for the next one: once `current`'s requests are done (or the drain
+    timeout passed), it is left running for the next runtime, and this replica is over."""
+    cur = v.current
+    if cur is None:
+        out.to(S.EXITING, now)
+    elif cur.died:
+        fail(v, now, out, cur, FailureKind.CRASH.value, cur.exit_code, "backend died while handing over")
+    elif cur.in_flight == 0 or now > (v.machine.deadline or now):
+        if cur.in_flight:
+            out.add(log("drain_timeout", "warning", generation=cur.number, replica=v.facts.index,
+                        in_flight=cur.in_flight))
+        out.add(Detach(cur.number))
+        out.to(S.EXITING, now)
+
+
 def _stopping(v: ReplicaView, now: float, out: Out) -> None:
     cur, nxt = v.current, v.successor
     if nxt is not None and successor_lost(v, out, nxt, waiting_words(nxt)):
@@ -531,6 +550,16 @@ def _stop_cmd(v: ReplicaView, cmd: StopCmd, now: float, out: Out) -> None:
     """SIGTERM/SIGINT: requests are refused from now on; drain and stop; a second signal
     shortens the ladder."""
     st, cur, s = v.machine.state, v.current, v.facts.cfg.server
+    if cmd.hand_over and not cmd.second and st in SERVING_STATES and cur is not None:
+        # a hand-over: no request is refused (new connections wait for the next runtime), the
+        # serving generation finishes its requests and stays up; a successor or standby goes
+        if v.successor is not None:
+            out.add(Abandon("the runtime hands over to the next one"))
+        if st is S.UNREADY:
+            out.add(Leaving(False))
+        out.set(wanted=None, deferred=None, recycle=None, end_reason=("handed_over", EndClass.SCHEDULED))
+        out.to(S.HANDING_OVER, now, s.drain_timeout)
+        return
     out.add(RejectRequests("vllm-guard is shutting down"))
     if v.successor is not None and st is not S.FAILING:
         out.add(Abandon("the runtime is shutting down"))
@@ -546,6 +575,9 @@ def _stop_cmd(v: ReplicaView, cmd: StopCmd, now: float, out: Out) -> None:
         # nothing was served: no request to drain; SIGKILL (a loading vLLM ignores SIGTERM until it is up)
         out.add(Stop(cur.number, kill=True, deadline=now + KILL_WAIT_S, reason="shutdown", cls=EndClass.SCHEDULED))
         out.to(S.STOPPING, now, stop_span(v, kill=True), recycle=None)
+    elif st is S.HANDING_OVER and cur is not None:  # a second signal: a plain stop after all
+        out.add(Stop(cur.number, kill=False, deadline=now + s.stop_timeout, reason="shutdown", cls=EndClass.SCHEDULED))
+        out.to(S.STOPPING, now, stop_span(v, kill=False))
     elif cmd.second and st is S.DRAINING and cur is not None:
         out.add(Stop(cur.number, kill=False, deadline=now + s.stop_timeout))
         out.to(S.STOPPING, now, stop_span(v, kill=False))

@@ -28,7 +28,7 @@ from .view import (
     Abandon, Decision, Drain, Effect, EnforceLimits, Event, Extend, ExitAll, Facts, Failure, Finish, GiveUp, GoLive,
     LearnGate, LearnStandby, LearnStart, Leaving, Log, OpenGate, PastLimit, Promote, RecycleBegan, RecycleMark,
     RecycleNote, RecycleOver, RecycleReady, RejectRequests, ReplicaView, Reply, Slot, Spawn, SpawnFailed,
-    StartCauseRepeated, Stop, Tick, WatchRoom,
+    StartCauseRepeated, Stop, Tick, WatchRoom, Detach,
 )
 
 log = structlog.get_logger("vllm_guard.supervisor")
@@ -215,6 +215,21 @@ class ReplicaDriver:
             self.watchers.stopping(gen)
         return None
 
+    async def _detach(self, e: Detach) -> Event | None:
+        """Leave the generation running for the next runtime: no monitor, no route, not stopped
+        by this runtime's way out; its ledger row stays open for the next runtime to go on with."""
+        gen = self._find(e.generation)
+        await self.door.stop_dispatch(gen.target)
+        gen.cancel_tasks()
+        gen.note_engines(await gen.backend.children())  # every pid, for the record and the keeper
+        gen.finished()
+        if gen is self.current:
+            self.current = None
+        self.hub.handed_over(gen)
+        log.info("generation_handed_over", generation=gen.number, replica=self.index, pid=gen.backend.pid,
+                 served=gen.target.completed)
+        return None
+
     async def _finish(self, e: Finish) -> Event | None:
         gen = self._find(e.generation)
         b = gen.backend
@@ -348,7 +363,7 @@ class ReplicaDriver:
 
     _handlers: dict[type, Callable[[ReplicaDriver, Any], Awaitable[Event | None]]] = {
         Spawn: _spawn, GoLive: _go_live, Promote: _promote, Abandon: _abandon, Drain: _drain, Stop: _stop,
-        Finish: _finish, OpenGate: _open_gate, PastLimit: _past_limit, Leaving: _leaving, WatchRoom: _watch_room,
+        Detach: _detach, Finish: _finish, OpenGate: _open_gate, PastLimit: _past_limit, Leaving: _leaving, WatchRoom: _watch_room,
         EnforceLimits: _enforce_limits, RejectRequests: _reject_requests, Failure: _failure,
         RecycleBegan: _recycle_began, RecycleNote: _recycle_note, RecycleMark: _recycle_mark,
         RecycleOver: _recycle_over, RecycleReady: _recycle_ready, Log: _log, Extend: _extend, GiveUp: _give_up,

@@ -17,7 +17,9 @@ import structlog
 from vllm_guard.core import plugin
 from vllm_guard.core.config import GuardConfig, ServerConfig
 
+from ..child.adopted import AdoptedProcess
 from ..child.backend import Backend, child_env, free_port
+from ..child.handover import HandedGeneration, live_procs
 from ..frontdoor.target import Target
 from .generation import Generation
 from .plan import ReplicaPlan
@@ -52,12 +54,21 @@ class Launcher:
         self.next_number = next_number
         self.config_hash = config_hash
         self._changed: dict[int, tuple[str, ...]] = {}  # per replica: what a reload changed, until it spawns
+        self.kept = False  # generations may outlive this runtime (a hand-over): no parent-death signal
+        self.adoptable: dict[int, HandedGeneration] = {}  # per replica: what a previous runtime handed over
+        self.adopt_mark: Path | None = None  # created once adopted: the previous runtime's keeper lets go
 
     def configure(self, cfg: GuardConfig, model: str, config_hash: str, changed: Sequence[str]) -> None:
         """A reload's configuration: every generation launched from now on runs it; each replica's
         first one records the keys that changed."""
         self.cfg, self.model, self.config_hash = cfg, model, config_hash
         self._changed = {i: tuple(changed) for i in self.plans}
+
+    def hand_over(self, kept: bool, adoptable: dict[int, HandedGeneration], mark: Path | None) -> None:
+        """The hand-over's part here: whether generations may outlive this runtime (`kept`: no
+        parent-death signal), and what a previous runtime handed over, adopted by each replica's
+        first start (then `mark` releases the old keeper)."""
+        self.kept, self.adoptable, self.adopt_mark = kept, dict(adoptable), mark
 
     def prestage(self, generation: int) -> str | None:
         """The model dir a parked generation reads its weights from before its gate
@@ -74,7 +85,11 @@ class Launcher:
 
     async def spawn(self, replica: int, strategy: str | None, gated: bool, beside: bool,
                     standby: bool = False) -> Generation:
-        """Launch a generation of `replica` (OSError: the interpreter cannot even be run)."""
+        """Launch a generation of `replica` (OSError: the interpreter cannot even be run); its
+        first start takes over the generation a previous runtime handed over, if there is one."""
+        handed = self.adoptable.pop(replica, None) if not (gated or beside or standby) else None
+        if handed is not None:
+            return self.adopt(handed)
         s, n = self.cfg.server, self.next_number()
         env = child_env(self.cfg, self.state_dir, n)
         env.update(self.plans[replica].env())
@@ -84,7 +99,7 @@ class Launcher:
                                   warm=s.warm_start == "on")
         backend = Backend(generation=n, model=self.model, host=s.backend_host, port=free_port(s.backend_host),
                           vllm_args=list(s.vllm_args), log_path=self.state_dir / "logs" / f"generation-{n}.log",
-                          python=self.python, env=env, nice=s.backend_nice)
+                          python=self.python, env=env, nice=s.backend_nice, deathsig=not self.kept)
         target = Target(generation=n, url=backend.url, limit=generation_limit(self.cfg.recycle))
         try:
             await backend.start()
@@ -101,4 +116,24 @@ class Launcher:
                  gpus=self.plans[replica].gpus or None, log=str(backend.log_path), config=self.config_hash or None,
                  config_changed=list(changed) or None)
         await asyncio.to_thread(prune_logs, self.state_dir / "logs")
+        return gen
+
+    def adopt(self, h: HandedGeneration) -> Generation:
+        """The generation a previous runtime handed over, as this runtime's own: same number,
+        same ledger row, same processes; it still has to pass the readiness check (/health and a
+        1-token completion) before it serves here."""
+        env = child_env(self.cfg, self.state_dir, h.generation)
+        env.update(self.plans[h.replica].env())
+        backend = Backend(generation=h.generation, model=h.model, host=h.host, port=h.port, vllm_args=list(h.vllm_args),
+                          log_path=Path(h.log_path), python=self.python, env=env, uds=Path(h.uds) if h.uds else None,
+                          deathsig=False)
+        backend.adopt(AdoptedProcess(h.api.pid, h.api.ticks), live_procs(h))  # our keeper watches it now
+        if self.adopt_mark is not None:  # the old keeper lets go (the others are adopted in the same turn)
+            self.adopt_mark.touch()
+        target = Target(generation=h.generation, url=backend.url, limit=generation_limit(self.cfg.recycle))
+        gen = Generation(h.generation, backend, target, h.row, replica=h.replica, strategy="adopted",
+                         spawned_mono=time.monotonic(), config=h.config_hash)
+        log.info("generation_adopted", generation=h.generation, replica=h.replica, pid=h.api.pid,
+                 backend=backend.url, pids=sorted(backend.known_pids), config=h.config_hash,
+                 config_now=self.config_hash, same_config=h.config_hash == self.config_hash)
         return gen

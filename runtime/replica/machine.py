@@ -20,6 +20,8 @@ not in the table raises `IllegalTransition` at once instead of becoming a stuck 
     failure:  any state with a generation ─▶ FAILING (SIGKILL) ─▶ BACKOFF ─▶ STARTING
               (a successor already starting takes over instead: STARTING / OPENING_GATE)
     held:     … ─▶ HELD ─▶ STARTING (release);   shutdown: … ─▶ DRAINING/STOPPING ─▶ EXITING
+    hand-over: SERVING ─▶ HANDING_OVER (its requests finish, it keeps running) ─▶ EXITING, the
+              generation left for the next runtime (`runtime/handover.py`)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class State(str, enum.Enum):
     GATED_PARKING = "gated_parking"  # serving; the successor boots up to its startup gate
     UNREADY = "unready"  # serving, announced as leaving, for `unready_lead` before it drains
     DRAINING = "draining"  # `current` takes no new requests; its in-flight ones finish
+    HANDING_OVER = "handing_over"  # the runtime exits for the next one: `current` finishes its requests and stays up
     STOPPING = "stopping"  # `current` signalled; waiting for its processes and memory to go
     OPENING_GATE = "opening_gate"  # the old generation is gone; the gate opens once its memory is free
     FAILING = "failing"  # `current` failed and is being killed (SIGKILL)
@@ -58,14 +61,17 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     S.STARTING: frozenset({S.SERVING, S.FAILING, S.STOPPING, S.EXITING}),
     S.PAST_GATE: frozenset({S.SERVING, S.FAILING, S.STOPPING}),
     S.SERVING: frozenset({S.STANDBY, S.WAITING_TURN, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY, S.DRAINING,
-                          S.FAILING}),
+                          S.FAILING, S.HANDING_OVER}),
     S.STANDBY: frozenset({S.SERVING, S.WAITING_TURN, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY, S.DRAINING,
-                          S.FAILING}),
-    S.WAITING_TURN: frozenset({S.SERVING, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY, S.DRAINING, S.FAILING}),
-    S.OVERLAP_STARTING: frozenset({S.SERVING, S.UNREADY, S.DRAINING, S.FAILING}),
-    S.GATED_PARKING: frozenset({S.SERVING, S.UNREADY, S.DRAINING, S.FAILING}),
-    S.UNREADY: frozenset({S.SERVING, S.DRAINING, S.FAILING}),
+                          S.FAILING, S.HANDING_OVER}),
+    S.WAITING_TURN: frozenset({S.SERVING, S.OVERLAP_STARTING, S.GATED_PARKING, S.UNREADY, S.DRAINING, S.FAILING,
+                               S.HANDING_OVER}),
+    S.OVERLAP_STARTING: frozenset({S.SERVING, S.UNREADY, S.DRAINING, S.FAILING, S.HANDING_OVER}),
+    S.GATED_PARKING: frozenset({S.SERVING, S.UNREADY, S.DRAINING, S.FAILING, S.HANDING_OVER}),
+    S.UNREADY: frozenset({S.SERVING, S.DRAINING, S.FAILING, S.HANDING_OVER}),
     S.DRAINING: frozenset({S.STOPPING, S.FAILING}),
+    # a second stop signal turns a hand-over into a plain stop
+    S.HANDING_OVER: frozenset({S.EXITING, S.STOPPING, S.FAILING}),
     # a second stop signal re-enters STOPPING with SIGKILL
     S.STOPPING: frozenset({S.STOPPING, S.STARTING, S.OPENING_GATE, S.HELD, S.EXITING}),
     S.OPENING_GATE: frozenset({S.PAST_GATE, S.STARTING, S.HELD, S.EXITING}),
@@ -83,7 +89,7 @@ COARSE: dict[State, RuntimeState] = {
     S.SERVING: RuntimeState.SERVING, S.STANDBY: RuntimeState.SERVING, S.WAITING_TURN: RuntimeState.SERVING,
     S.OVERLAP_STARTING: RuntimeState.SERVING, S.GATED_PARKING: RuntimeState.SERVING,
     S.UNREADY: RuntimeState.SERVING,
-    S.DRAINING: RuntimeState.DRAINING,
+    S.DRAINING: RuntimeState.DRAINING, S.HANDING_OVER: RuntimeState.DRAINING,
     S.STOPPING: RuntimeState.STOPPING, S.OPENING_GATE: RuntimeState.STOPPING, S.FAILING: RuntimeState.STOPPING,
     S.BACKOFF: RuntimeState.BACKOFF, S.HELD: RuntimeState.HELD, S.EXITING: RuntimeState.EXITING,
 }

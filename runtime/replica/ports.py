@@ -126,3 +126,6 @@ class Hub(Protocol):
     def extend(self) -> None: ...
 
     def state_changed(self) -> None: ...
+
+    def handed_over(self, gen: Generation) -> None:
+        """`gen` is left running for the next runtime (`runtime/handover.py` records it)."""

