@@ -127,6 +127,8 @@ def cmd_install(args: argparse.Namespace, _: list[str]) -> int:
     bin_path = _bin_path()
     base = R.base_context(settings, bin_path, I.stop_timeout(cfg), [cfg.server.model, cfg.server.python], cfg)
     units = R.render_units(base)
+    sock_name, sock_text = R.socket_unit(layout, cfg.server.host, cfg.server.port, layout.instance or "this box")
+    units[sock_name] = sock_text
     _sandbox_check(args, cfg, units, layout, bin_path, report)
     for w in report.warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -174,7 +176,8 @@ def _preflight(args: argparse.Namespace, live: bool, cfg: GuardConfig, layout: L
     P.require_model_dir(cfg.server.model)
     if not cfg.server.model:
         report.warnings.append("no --model: the service serves the embedded tiny model (its text is noise)")
-    if args.root is None and not _unit_active(layout.unit):
+    socket = layout.unit.removesuffix(".service") + ".socket"  # a re-install: the socket unit holds the port
+    if args.root is None and not _unit_active(layout.unit) and not _unit_active(socket):
         P.require_free_port(cfg.server.host, cfg.server.port)
     if args.root is None:
         P.check_nvidia(cfg.server.python or sys.executable, cfg.server.gpus, cfg.install.environment(), report)

@@ -66,7 +66,7 @@ def plan_install(root: Path, live: bool, layout: R.Layout, config_text: str, env
     else:
         plan.files[layout.config] = (config_text, 0o640)
     plan.files[layout.env_file] = (R.env_text(env), 0o640)
-    plan.enable = [layout.unit, "vllm-guard-revive.timer"]
+    plan.enable = [layout.unit, "vllm-guard-revive.timer", layout.unit.removesuffix(".service") + ".socket"]
     if start_watchdog:
         plan.enable.insert(1, layout.watchdog_unit)
     if live:

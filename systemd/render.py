@@ -221,6 +221,14 @@ def render_units(base: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def socket_unit(layout: Layout, host: str, port: int, description: str) -> tuple[str, str]:
+    """(file name, text) of the socket unit that holds this service's public port."""
+    name = layout.unit.removesuffix(".service") + ".socket"
+    listen = f"[{host}]:{port}" if ":" in host else f"{host or '0.0.0.0'}:{port}"
+    ctx = {"unit": layout.unit, "socket": name, "listen": listen, "description": description, "docs": DOCS}
+    return name, substitute(template_text("vllm-guard.socket"), ctx)
+
+
 def sysusers(settings: InstallConfig) -> str:
     """sysusers.d(5): the runtime user and group, the watchdog user (no login, no home of its own)."""
     return (

@@ -19,7 +19,7 @@ from vllm_guard.systemd import config_file as F
 VG = str(Path(sys.prefix) / "bin" / "vllm-guard")
 UNITS = ("vllm-guard.service", "vllm-guard@.service", "vllm-guard-watchdog.service",
          "vllm-guard-watchdog@.service", "vllm-guard-soak@.service", "vllm-guard-revive.service",
-         "vllm-guard-revive.timer")
+         "vllm-guard-revive.timer", "vllm-guard.socket")
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +104,14 @@ def test_service_values_follow_the_config(tmp_path: Path, model_dir: Path) -> No
     assert u["User"] == ["llm"] and u["Group"] == ["llm"]
     assert u["ExecStart"] == [f"{VG} serve --config /etc/vllm-guard/guard.toml --state-dir /var/lib/vllm-guard"]
     assert u["ExecReload"] == ["/bin/kill -HUP $MAINPID"] and u["RestartPreventExitStatus"] == ["2 4 5"]
-    for key, value in (("Type", "notify"), ("NotifyAccess", "main"), ("KillMode", "mixed"),
+    for key, value in (("Type", "notify"), ("NotifyAccess", "main"), ("KillMode", "process"),
                        ("OOMPolicy", "continue"), ("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"),
                        ("PrivateTmp", "yes"), ("Restart", "on-failure")):
         assert u[key] == [value], key
     assert "PrivateDevices" not in u and "MemoryDenyWriteExecute" not in u
+    assert u["Wants"][-1] == "%N.socket" and "%N.socket" in u["After"][0]  # the port outlives the runtime
+    sock = unit_lines(root / "etc/systemd/system/vllm-guard.socket")
+    assert sock["ListenStream"][0].endswith(":23997") and sock["Service"] == ["vllm-guard.service"]
     env = dict(e.split("=", 1) for e in u["Environment"])
     assert env["HF_HUB_OFFLINE"] == "1" and env["HF_HOME"].startswith("/var/cache/vllm-guard")
     home_hidden = any(str(Path(p).resolve()).startswith(("/root", "/home")) for p in (VG, sys.base_prefix))

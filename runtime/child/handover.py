@@ -28,7 +28,7 @@ from .keeper import same_process, start_ticks
 
 log = structlog.get_logger("vllm_guard.handover")
 
-SCHEMA = "vllm-guard-handover/1"
+SCHEMA: Literal["vllm-guard-handover/1"] = "vllm-guard-handover/1"
 RECORD = "handover.json"
 LEASE_S = 60.0  # how long a handed-over generation waits for the next runtime before its keeper kills it
 RESTART_JOBS = frozenset({"restart", "try-restart", "reload-or-restart", "try-reload-or-restart"})
