@@ -156,8 +156,8 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 
 
 # -- the replica's machine decides; nobody else decides again ------------------------------------
-DECIDERS = {"runtime/replica/decide.py", "runtime/replica/steps.py", "runtime/replica/machine.py",
-            "runtime/replica/strategy.py"}
+DECIDERS = {"runtime/replica/decide.py", "runtime/replica/orders.py", "runtime/replica/steps.py",
+            "runtime/replica/machine.py", "runtime/replica/strategy.py"}
 MACHINE_ENUMS = {"State", "S", "Strategy"}  # the replica's own states (not the coarse RuntimeState), strategies
 MAPPINGS = {"dict", "Dict", "Mapping", "MutableMapping", "defaultdict", "OrderedDict"}
 # What `decide` keeps between two looks and nobody else reads: a recycle under way, one wanted,

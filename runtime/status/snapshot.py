@@ -115,6 +115,7 @@ def replica_status(d: ReplicaDriver, books: RuntimeBooks) -> ReplicaStatus:
         index=d.index, state=COARSE[st], phase=st.value, generation=gen.number if gen is not None else 0,
         gpus=list(d.plan.gpus), gpu_name=d.gpu_name or None,
         backend_url=gen.backend.url if gen is not None and COARSE[st] in _REACHABLE else None,
+        pid=gen.backend.pid or None if gen is not None else None,
         in_flight=t.in_flight if t is not None else 0, served=t.dispatched if t is not None else 0,
         limit=t.limit if t is not None else None,
         next_generation=nxt_number, next_phase=phase,

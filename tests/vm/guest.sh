@@ -115,6 +115,39 @@ else
   result reload_graceful false "not serving after reload: $(status_json | head -c 400)"
 fi
 
+say "systemctl restart under load: an upgrade that refuses no connection and adopts vLLM"
+main_before=$(systemctl show -p MainPID --value vllm-guard.service)
+gen_before=$(field "s['generation']")
+api_before=$(field "[c['pid'] for c in s['children'] if c['role']=='api_server'][0]")
+since=$(date -u '+%Y-%m-%d %H:%M:%S')
+rm -f /tmp/upgrade_load.txt
+# open loop: a short completion every 0.2 s for 40 s, each on a new connection (HTTP code, first byte)
+( for _ in $(seq 1 200); do
+    curl -s -o /dev/null -w '%{http_code} %{time_starttransfer}\n' --max-time 300 "$URL/v1/completions" \
+      -H 'Content-Type: application/json' -d "{\"model\": \"$MODEL\", \"prompt\": \"hello\", \"max_tokens\": 8}" \
+      >> /tmp/upgrade_load.txt &
+    sleep 0.2
+  done; wait ) &
+load_pid=$!
+sleep 8
+t0=$SECONDS
+systemctl restart vllm-guard.service
+restart_rc=$?
+restart_s=$((SECONDS - t0))
+wait $load_pid
+main_after=$(systemctl show -p MainPID --value vllm-guard.service)
+api_after=$(field "[c['pid'] for c in s['children'] if c['role']=='api_server'][0]")
+gen_after=$(field "s['generation']")
+total=$(grep -c . /tmp/upgrade_load.txt)
+served=$(grep -c '^200 ' /tmp/upgrade_load.txt)
+refused=$(grep -c '^000 ' /tmp/upgrade_load.txt)
+ttfb_max=$(awk '{print $2}' /tmp/upgrade_load.txt | sort -n | tail -1)
+adopted=$(journalctl -u vllm-guard.service --since "$since" --no-pager -o cat | grep -c '"generation_adopted"')
+job=$(journalctl -u vllm-guard.service --since "$since" --no-pager -o cat | grep -o '"event": "systemd_job"[^}]*' | head -1)
+ok=$([ $restart_rc = 0 ] && [ "$total" = 200 ] && [ "$served" = 200 ] && [ "$main_after" != "$main_before" ] \
+     && [ "$api_after" = "$api_before" ] && [ "$gen_after" = "$gen_before" ] && [ "$adopted" -ge 1 ] && echo true || echo false)
+result upgrade_by_restart "$ok" "restart rc=$restart_rc in $restart_s s; $served/$total served, $refused refused; first byte max ${ttfb_max} s; runtime MainPID $main_before -> $main_after; vLLM API server $api_before -> $api_after; generation $gen_before -> $gen_after; adopted=$adopted; $job"
+
 say "the watchdog unit acts through the admin socket, without root"
 id vllm-guard-watchdog
 ls -la "$STATE/admin.sock"

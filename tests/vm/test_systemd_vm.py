@@ -31,8 +31,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 IMAGE_DIR = Path(os.environ.get("VLLM_GUARD_VM_IMAGE", "/var/tmp/vllm-guard-vm"))
-STEPS = ("install", "ready", "request", "kill9_restored", "reload_graceful", "admin_denied_to_others",
-         "watchdog_acts", "exit2_not_restarted", "revive_after_start_limit", "clean_stop", "uninstall")
+STEPS = ("install", "ready", "request", "kill9_restored", "reload_graceful", "upgrade_by_restart",
+         "admin_denied_to_others", "watchdog_acts", "exit2_not_restarted", "revive_after_start_limit", "clean_stop", "uninstall")
 VM_TIMEOUT_S = 1800
 
 pytestmark = [
