@@ -300,7 +300,9 @@ class Supervisor:
             gens.append(handover.HandedGeneration(
                 replica=gen.replica, generation=gen.number, row=gen.row, api=handover.Proc(pid=b.pid, ticks=api_ticks),
                 procs=procs_now, model=b.model, vllm_args=list(b.vllm_args), host=b.host, port=b.port,
-                uds=str(b.uds) if b.uds is not None else None, log_path=str(b.log_path), config_hash=gen.config))
+                uds=str(b.uds) if b.uds is not None else None, log_path=str(b.log_path), config_hash=gen.config,
+                served=gen.target.completed))
+            self.ledger.generation_progress(gen.row, gen.target.completed)  # its row, up to date for the next
         record = handover.Record(state_dir=str(self.state_dir.resolve()), runtime_pid=os.getpid(), written_at=utcnow(),
                                  lease_s=handover.LEASE_S, mark=str(mark.resolve()), generations=gens)
         handover.write(self.state_dir, record)

@@ -150,7 +150,7 @@ def test_a_socket_that_does_not_listen_is_a_config_error() -> None:
 def test_the_record_round_trips_once_and_a_bad_one_is_ignored(tmp_path: Path) -> None:
     me = handover.Proc(pid=os.getpid(), ticks=start_ticks(os.getpid()) or 0)
     g = handover.HandedGeneration(replica=0, generation=3, row=3, api=me, procs=[me], model="m", vllm_args=["--x"],
-                                  host="", port=0, uds=None, log_path="/l", config_hash="abc")
+                                  host="", port=0, uds=None, log_path="/l", config_hash="abc", served=7)
     rec = handover.Record(state_dir=str(tmp_path), runtime_pid=1, written_at="t", lease_s=60, mark="/m",
                           generations=[g])
     handover.write(tmp_path, rec)

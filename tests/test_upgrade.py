@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -46,6 +47,15 @@ LONG = 400
 async def two_long(srv: GuardServer) -> list[StreamResult]:
     async with httpx.AsyncClient() as client:
         return list(await asyncio.gather(*(stream_completion(client, srv.url, srv.model, LONG) for _ in range(2))))
+
+
+def generation_row(state: Path, n: int) -> dict[str, Any]:
+    db = sqlite3.connect(state / "ledger.sqlite")
+    db.row_factory = sqlite3.Row
+    try:
+        return dict(db.execute("SELECT * FROM generations WHERE generation = ?", (n,)).fetchone())
+    finally:
+        db.close()
 
 
 def group(pgid: int) -> list[int]:
@@ -100,6 +110,8 @@ def test_an_upgrade_refuses_no_connection_and_the_next_runtime_adopts_vllm(
             runner.start()
             time.sleep(1.0)
             before = len(load.results)
+            ready_at = generation_row(state, 1)["ready_at"]
+            assert ready_at is not None
             t0 = time.monotonic()
             out = a.admin("upgrade")
             assert out.returncode == 0, out.stdout + out.stderr
@@ -125,7 +137,10 @@ def test_an_upgrade_refuses_no_connection_and_the_next_runtime_adopts_vllm(
         adopted = event(b, "generation_adopted")
         assert adopted is not None and int(adopted["pid"]) == api, b.tail()
         assert event(b, "generation_starting") is None, "runtime B started a vLLM of its own"
-        assert b.status()["generation"] == 1
+        st = b.status()
+        assert st["generation"] == 1 and st["replicas"][0]["pid"] == api
+        row = generation_row(state, 1)
+        assert row["ended_at"] is None and row["ready_at"] == ready_at and row["requests_served"] >= before, row
         assert not (state / "handover.json").exists(), "the record is acted on once"
         handed = event(a, "generation_handed_over")
         assert handed is not None and handed["generation"] == 1

@@ -56,6 +56,7 @@ class HandedGeneration(_Model):
     uds: str | None
     log_path: str
     config_hash: str
+    served: int  # requests it completed so far (its ledger row's count goes on from there)
 
 
 class Record(_Model):

@@ -60,12 +60,14 @@ class RuntimeBooks:
 
     def generation_ready(self, gen: Generation) -> None:
         self.ledger.generation_ready(gen.row, self.vllm_version, self._gpu_names.get(gen.replica, ""))
-        self.ledger.generation_phases(gen.row, gen.start_phases())
+        if not gen.adopted:  # an adopted generation's start is the previous runtime's record
+            self.ledger.generation_phases(gen.row, gen.start_phases())
 
     def generation_ended(self, gen: Generation, leftover: tuple[int, ...]) -> None:
         reason, cls = gen.end_reason
         # again at the end: with its first request if it had one, or where a failed start got to
-        self.ledger.generation_phases(gen.row, gen.start_phases())
+        if not gen.adopted:
+            self.ledger.generation_phases(gen.row, gen.start_phases())
         self.ledger.generation_ended(gen.row, reason, cls.value, gen.target.completed)
 
     # -- failures ----------------------------------------------------------------------------

@@ -360,8 +360,9 @@ class RuntimeLedger:
 
     def generation_ready(self, row: int, vllm_version: str, gpu_name: str) -> None:
         now = utcnow()
-        self._put("UPDATE generations SET ready_at = ?, updated_at = ?, vllm_version = ?, gpu_name = ? "
-                  "WHERE id = ?", (now, now, vllm_version, gpu_name, row), "generation ready")
+        # COALESCE: a generation adopted from a previous runtime keeps the time it first became ready
+        self._put("UPDATE generations SET ready_at = COALESCE(ready_at, ?), updated_at = ?, vllm_version = ?, "
+                  "gpu_name = ? WHERE id = ?", (now, now, vllm_version, gpu_name, row), "generation ready")
 
     def generation_phases(self, row: int, phases: list[tuple[str, float]]) -> None:
         """Where the generation's start went (phase, seconds after spawn)."""

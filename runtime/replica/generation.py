@@ -39,6 +39,7 @@ class Generation:
     beside: bool = False  # spawned as a successor, beside a serving generation
     standby: bool = False  # the replica's standby: parked at its gate until it is needed
     config: str = ""  # the hash of the configuration it was launched with (`runtime/reload.py`)
+    adopted: bool = False  # handed over by a previous runtime (`child/handover.py`), not started here
     # what the monitors found (read off the event loop; status only assembles them)
     ready_mono: float | None = None
     hang: str | None = None

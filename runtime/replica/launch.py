@@ -130,9 +130,10 @@ class Launcher:
         backend.adopt(AdoptedProcess(h.api.pid, h.api.ticks), live_procs(h))  # our keeper watches it now
         if self.adopt_mark is not None:  # the old keeper lets go (the others are adopted in the same turn)
             self.adopt_mark.touch()
-        target = Target(generation=h.generation, url=backend.url, limit=generation_limit(self.cfg.recycle))
+        target = Target(generation=h.generation, url=backend.url, limit=generation_limit(self.cfg.recycle),
+                        completed=h.served)
         gen = Generation(h.generation, backend, target, h.row, replica=h.replica, strategy="adopted",
-                         spawned_mono=time.monotonic(), config=h.config_hash)
+                         spawned_mono=time.monotonic(), config=h.config_hash, adopted=True)
         log.info("generation_adopted", generation=h.generation, replica=h.replica, pid=h.api.pid,
                  backend=backend.url, pids=sorted(backend.known_pids), config=h.config_hash,
                  config_now=self.config_hash, same_config=h.config_hash == self.config_hash)
