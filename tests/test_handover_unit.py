@@ -85,6 +85,7 @@ def test_a_taken_lease_leaves_the_generation_running(group: subprocess.Popen[byt
     time.sleep(0.5)
     mark.touch()
     assert k.proc.wait(5) == 0
+    assert not mark.exists(), "the mark is read once and removed"
     assert len(members(group.pid)) == 2, "the keeper killed a generation that was adopted"
 
 

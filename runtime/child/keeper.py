@@ -144,6 +144,10 @@ def adopted(watch: Watch, me: int, seconds: float, path: str) -> bool:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if os.path.exists(path):
+            try:
+                os.unlink(path)  # read once: nothing is left behind in the state dir
+            except OSError:
+                pass
             return True
         if watch.groups:
             watch.scan(me)

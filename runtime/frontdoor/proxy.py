@@ -96,6 +96,7 @@ class Proxy:
         self.tokenizer: Any = None
         self.tokenizer_why = "the guard's tokenizer is still loading"
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False  # handing over: every answer closes its connection
 
     # -- what the status reads ---------------------------------------------------------------
     @property
@@ -124,6 +125,7 @@ class Proxy:
         (`listen.inherited`): then the port outlives this runtime."""
         app = web.Application(client_max_size=self.bodies.max_body)
         app.router.add_route("*", "/{tail:.*}", self.handle, expect_handler=_no_expect)
+        app.on_response_prepare.append(self._on_prepare)
         # handler_cancellation: a client that disconnects cancels its handler, wherever it waits.
         # lingering_time 0: an unread (refused) body is never drained, the connection is closed.
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
@@ -173,14 +175,18 @@ class Proxy:
 
     def stop_accepting(self) -> None:
         """A hand-over to the next runtime: take no new connection (the kernel keeps them in the
-        backlog of the socket systemd holds, for the next runtime), and close each open connection
-        once its current request is answered (an idle keep-alive one at once), so a client's next
-        request reaches the next runtime instead of this one."""
+        backlog of the socket systemd holds, for the next runtime). A connection already open is
+        still served, each answer with `Connection: close`, so the client's next request opens a
+        connection that the next runtime accepts; connections still idle at the very end are
+        closed with the proxy."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
-        inner = self._runner.server if self._runner is not None else None
-        for conn in list(inner.connections) if inner is not None else []:
-            conn.close()
+
+    async def _on_prepare(self, _: web.Request, resp: web.StreamResponse) -> None:
+        if self._closing:
+            resp.force_close()
+            resp.headers["Connection"] = "close"
 
     async def stop(self) -> None:
         for task in self._tasks:

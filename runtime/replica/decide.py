@@ -57,6 +57,8 @@ from .view import (
 
 S = State
 EXTEND_EVERY_S = 10.0
+# a connection accepted just before the listener closed sends its request within this: it is served here
+HANDOVER_SETTLE_S = 1.0
 STANDBY_TRIES = 3  # standbys in a row that die or cannot park before the replica stops keeping one
 
 
@@ -351,7 +353,7 @@ def _handing_over(v: ReplicaView, now: float, out: Out) -> None:
         out.to(S.EXITING, now)
     elif cur.died:
         fail(v, now, out, cur, FailureKind.CRASH.value, cur.exit_code, "backend died while handing over")
-    elif cur.in_flight == 0 or now > (v.machine.deadline or now):
+    elif (cur.in_flight == 0 and now - v.machine.since >= HANDOVER_SETTLE_S) or now > (v.machine.deadline or now):
         if cur.in_flight:
             out.add(log("drain_timeout", "warning", generation=cur.number, replica=v.facts.index,
                         in_flight=cur.in_flight))

@@ -123,7 +123,7 @@ since=$(date -u '+%Y-%m-%d %H:%M:%S')
 rm -f /tmp/upgrade_load.txt
 # open loop: a short completion every 0.2 s for 40 s, each on a new connection (HTTP code, first byte)
 ( for _ in $(seq 1 200); do
-    curl -s -o /dev/null -w '%{http_code} %{time_starttransfer}\n' --max-time 300 "$URL/v1/completions" \
+    curl -s -o /dev/null -w '%{http_code} %{time_starttransfer} %{exitcode} %{time_connect}\n' --max-time 300 "$URL/v1/completions" \
       -H 'Content-Type: application/json' -d "{\"model\": \"$MODEL\", \"prompt\": \"hello\", \"max_tokens\": 8}" \
       >> /tmp/upgrade_load.txt &
     sleep 0.2
@@ -146,6 +146,9 @@ adopted=$(journalctl -u vllm-guard.service --since "$since" --no-pager -o cat | 
 job=$(journalctl -u vllm-guard.service --since "$since" --no-pager -o cat | grep -o '"event": "systemd_job"[^}]*' | head -1)
 ok=$([ $restart_rc = 0 ] && [ "$total" = 200 ] && [ "$served" = 200 ] && [ "$main_after" != "$main_before" ] \
      && [ "$api_after" = "$api_before" ] && [ "$gen_after" = "$gen_before" ] && [ "$adopted" -ge 1 ] && echo true || echo false)
+grep -v '^200 ' /tmp/upgrade_load.txt | head -5
+journalctl -u vllm-guard.service --since "$since" --no-pager -o cat \
+  | grep -E 'systemd_job|handing_over|handed_over|handover|adopted|proxy_listening|drain_timeout|runtime_exited|error' | cut -c1-300 | head -30
 result upgrade_by_restart "$ok" "restart rc=$restart_rc in $restart_s s; $served/$total served, $refused refused; first byte max ${ttfb_max} s; runtime MainPID $main_before -> $main_after; vLLM API server $api_before -> $api_after; generation $gen_before -> $gen_after; adopted=$adopted; $job"
 
 say "the watchdog unit acts through the admin socket, without root"
