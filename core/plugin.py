@@ -103,7 +103,7 @@ def child_env(env: Mapping[str, str], cfg: GuardConfig, vllm_args: Sequence[str]
         out["MALLOC_ARENA_MAX"] = str(settings.malloc_arena_max)
     if INJECT_VAR not in out and cfg.inject.active:
         out[INJECT_VAR] = format_kv(cfg.inject.active)
-    explicit = cfg.explicit.get("patches", set())
+    explicit = cfg.explicit.get("patches", frozenset())
     if PATCHES_VAR not in out and explicit:
         from .config import section_table
 

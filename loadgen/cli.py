@@ -97,14 +97,14 @@ def add_commands(sub: Any) -> dict[str, Handler]:
 
 def soak_config(args: argparse.Namespace) -> SoakConfig:
     """[soak] of --config (the whole file validated), then the flags given, one coercion."""
-    from vllm_guard.core.config import load, set_value, validate
+    from vllm_guard.core.config import load, validate, with_value
 
     cfg = load(args.config)
     for key in SOAK_FLAGS:
         v = getattr(args, key)
         if v is not None:
             try:
-                set_value(cfg, "soak", key, v)
+                cfg = with_value(cfg, "soak", key, v)
             except ConfigError as e:  # name the flag the operator typed, not the file's key
                 hint = " (leave --rate out for a closed loop at --concurrency)" if key == "rate" else ""
                 raise UsageError(str(e).replace(f"[soak] {key}", "--" + key.replace("_", "-"), 1) + hint) from e

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TextIO
 
 from vllm_guard.core import ports
-from vllm_guard.core.config import ConfigError, GuardConfig, load, set_value, validate
+from vllm_guard.core.config import ConfigError, GuardConfig, load, validate, with_value, with_values
 from vllm_guard.core.errors import (
     EXIT_BOOT_ERROR, EXIT_ERROR, EXIT_FAILURE_LIMIT, EXIT_START_FAILURE, GuardError, UsageError,
 )
@@ -167,11 +167,10 @@ def add_strategy_flags(s: argparse.ArgumentParser) -> None:
                         "GPU, or per --tensor-parallel-size of them (default: every replica sees every GPU)")
 
 
-def apply_strategy_flags(args: argparse.Namespace, cfg: GuardConfig) -> None:
-    for key in ("recycle_strategy", "replicas", "gpus"):
-        value = getattr(args, key, None)
-        if value is not None:
-            set_value(cfg, "server", key, value)
+def apply_strategy_flags(args: argparse.Namespace, cfg: GuardConfig) -> GuardConfig:
+    """`cfg` with the recycle-strategy and replica flags given on top."""
+    given = {k: v for k in ("recycle_strategy", "replicas", "gpus") if (v := getattr(args, k, None)) is not None}
+    return with_values(cfg, "server", given) if given else cfg
 
 
 # -- serve ------------------------------------------------------------------------------------
@@ -224,9 +223,9 @@ def serve_config(args: argparse.Namespace, vllm_args: list[str]) -> GuardConfig:
     for flag, (section, key, _) in SERVE_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
-            set_value(cfg, section, key, value)
-    apply_strategy_flags(args, cfg)
-    set_value(cfg, "server", "vllm_args", [*cfg.server.vllm_args, *vllm_args])
+            cfg = with_value(cfg, section, key, value)
+    cfg = apply_strategy_flags(args, cfg)
+    cfg = with_value(cfg, "server", "vllm_args", (*cfg.server.vllm_args, *vllm_args))
     owned = find_owned_arg(cfg.server.vllm_args)
     if owned is not None:
         raise UsageError(f"{owned!r} after -- is owned by the runtime: use vllm-guard's own --host/--port/--model")

@@ -14,11 +14,12 @@ Sections the runtime does not read (`[watchdog]`, `[soak]`, `[install]`) are nam
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
+
+import msgspec
 
 from vllm_guard.core.config import SECTIONS, GuardConfig
 from vllm_guard.core.errors import GuardError
@@ -63,7 +64,7 @@ class ReloadPlan:
 
 
 def _table(cfg: GuardConfig, section: str) -> dict[str, Any]:
-    return dataclasses.asdict(getattr(cfg, section))
+    return msgspec.structs.asdict(getattr(cfg, section))
 
 
 def config_hash(cfg: GuardConfig) -> str:

@@ -117,9 +117,9 @@ def cmd_install(args: argparse.Namespace, _: list[str]) -> int:
     layout = _layout(args.instance)
     cfg, new = F.base_config(args.config, R.under(root, layout.config))
     if new:
-        F.gpu_box_defaults(cfg)
+        cfg = F.gpu_box_defaults(cfg)
     recycle = {k: getattr(args, k) for k in F.RECYCLE_FLAGS if getattr(args, k) is not None}
-    F.apply_flags(cfg, model=args.model, host=args.host, port=args.port, user=args.user,
+    cfg = F.apply_flags(cfg, model=args.model, host=args.host, port=args.port, user=args.user,
                   watchdog_user=args.watchdog_user, gpus=args.gpus, env=args.env, layout=layout, recycle=recycle)
     text, cfg = F.render(cfg, layout)
     settings = cfg.install

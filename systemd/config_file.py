@@ -3,7 +3,7 @@
 The base (`--config`, else the installed file) is read with `core.config.load`, so every
 section is checked exactly as `serve` and `watchdog` check it: a file they would reject is
 rejected here, before anything is written. Flags go through the same coercion
-(`core.config.set_value`); their errors name the flag. A new file (no installed one, or
+(`core.config.with_value`); their errors name the flag. A new file (no installed one, or
 `--config`) gets the recycle settings a GPU box wants (`GPU_BOX_RECYCLE`) for every key the base
 did not set. The file written back is complete and commented (`guardtoml`): the keys the base
 set or the flags changed as settings, every other key commented out with its default; it is
@@ -52,12 +52,11 @@ def base_config(path: str | None, installed: Path) -> tuple[GuardConfig, bool]:
     return GuardConfig(), True
 
 
-def gpu_box_defaults(cfg: GuardConfig) -> None:
-    """GPU_BOX_RECYCLE for each `[recycle]` key the base did not set."""
-    given = cfg.explicit.get("recycle", set())
-    for key, value in GPU_BOX_RECYCLE.items():
-        if key not in given:
-            C.set_value(cfg, "recycle", key, value)
+def gpu_box_defaults(cfg: GuardConfig) -> GuardConfig:
+    """`cfg` with GPU_BOX_RECYCLE for each `[recycle]` key the base did not set."""
+    given = cfg.explicit.get("recycle", frozenset())
+    missing = {key: value for key, value in GPU_BOX_RECYCLE.items() if key not in given}
+    return C.with_values(cfg, "recycle", missing) if missing else cfg
 
 
 def recycle_off(cfg: GuardConfig) -> bool:
@@ -66,10 +65,11 @@ def recycle_off(cfg: GuardConfig) -> bool:
     return not (r.max_requests or r.max_uptime or r.max_gpu_memory_growth_mb or r.max_host_rss_growth_mb)
 
 
-def set_flag(cfg: GuardConfig, section: str, key: str, value: Any, flag: str) -> None:
-    """`[section] key` from a command-line flag, through the one coercion; errors name the flag."""
+def set_flag(cfg: GuardConfig, section: str, key: str, value: Any, flag: str) -> GuardConfig:
+    """`cfg` with `[section] key` from a command-line flag, through the one coercion; errors name
+    the flag."""
     try:
-        C.set_value(cfg, section, key, value)
+        return C.with_value(cfg, section, key, value)
     except ConfigError as e:
         raise UsageError(str(e).replace(f"[{section}] {key}", flag, 1)) from e
 
@@ -93,23 +93,19 @@ def apply_flags(cfg: GuardConfig, *, model: str | None, host: str | None, port: 
     `recycle`: RECYCLE_FLAGS name -> value given."""
     for flag, value in (recycle or {}).items():
         section, key = RECYCLE_FLAGS[flag]
-        set_flag(cfg, section, key, value, "--" + flag.replace("_", "-"))
-    if model:
-        set_flag(cfg, "server", "model", model, "--model")
-    if host:
-        set_flag(cfg, "server", "host", host, "--host")
-    if port is not None:
-        set_flag(cfg, "server", "port", port, "--port")
-    if user is not None:
-        set_flag(cfg, "install", "user", user, "--user")
-    if watchdog_user is not None:
-        set_flag(cfg, "install", "watchdog_user", watchdog_user, "--watchdog-user")
-    if gpus is not None:
-        set_flag(cfg, "server", "gpus", [g.strip() for g in gpus.split(",") if g.strip()], "--gpus")
-    if env:
-        set_flag(cfg, "install", "env", {**cfg.install.env, **dict(parse_env_flag(e) for e in env)}, "--env")
-    C.set_value(cfg, "server", "state_dir", layout.state_dir)
-    C.set_value(cfg, "server", "admin_group", cfg.install.group)
+        cfg = set_flag(cfg, section, key, value, "--" + flag.replace("_", "-"))
+    flags: list[tuple[str, str, Any, str]] = [
+        ("server", "model", model or None, "--model"), ("server", "host", host or None, "--host"),
+        ("server", "port", port, "--port"), ("install", "user", user, "--user"),
+        ("install", "watchdog_user", watchdog_user, "--watchdog-user"),
+        ("server", "gpus", None if gpus is None else [g.strip() for g in gpus.split(",") if g.strip()], "--gpus"),
+        ("install", "env", {**cfg.install.env, **dict(parse_env_flag(e) for e in env)} if env else None, "--env"),
+    ]
+    for section, key, value, flag in flags:
+        if value is not None:
+            cfg = set_flag(cfg, section, key, value, flag)
+    cfg = C.with_value(cfg, "server", "state_dir", layout.state_dir)
+    cfg = C.with_value(cfg, "server", "admin_group", cfg.install.group)
     return C.validate(cfg)
 
 

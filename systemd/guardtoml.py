@@ -9,13 +9,12 @@ of `core.config`; a test checks that none is missing.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import textwrap
-from typing import Any, get_type_hints
+from typing import Any
 
 from vllm_guard.core import config as C
-from vllm_guard.core.config import Duration, GuardConfig
+from vllm_guard.core.config import GuardConfig
 
 WIDTH = 100
 
@@ -240,11 +239,11 @@ def duration_text(seconds: float) -> str:
     return C.format_duration(seconds)
 
 
-def value_text(section: str, key: str, value: Any, kind: Any) -> str:
-    """A TOML literal that `core.config` reads back to `value`."""
+def value_text(section: str, key: str, value: Any, duration: bool) -> str:
+    """A TOML literal that `core.config` reads back to `value` (`duration`: a `Duration` key)."""
     if value is None:
         return "\"\""
-    if kind is Duration:
+    if duration:
         return json.dumps(duration_text(float(value)))
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -268,18 +267,17 @@ def _comment(text: str, indent: str = "") -> list[str]:
 def section_lines(cfg: GuardConfig, name: str) -> list[str]:
     cls = C.SECTIONS[name]
     obj = getattr(cfg, name)
-    hints = get_type_hints(cls)
-    explicit = cfg.explicit.get(name, set())
+    durations = C.duration_keys(cls)
+    explicit = cfg.explicit.get(name, frozenset())
     lines = [*_comment(SECTION_HELP.get(name, "")), f"[{name}]"]
-    for f in dataclasses.fields(cls):
-        kind, _ = C._unwrap_optional(hints[f.name])  # noqa: SLF001 - the schema's own reading of a hint
-        value = getattr(obj, f.name)
-        lines += _comment(HELP.get(name, {}).get(f.name, "see the documentation"))
-        if f.name in explicit and value is not None:
-            lines.append(f"{f.name} = {value_text(name, f.name, value, kind)}")
+    for key in cls.__struct_fields__:
+        value, duration = getattr(obj, key), key in durations
+        lines += _comment(HELP.get(name, {}).get(key, "see the documentation"))
+        if key in explicit and value is not None:
+            lines.append(f"{key} = {value_text(name, key, value, duration)}")
         else:
-            shown = EXAMPLES.get((name, f.name), value) if value is None else value
-            lines.append(f"# {f.name} = {value_text(name, f.name, shown, kind)}")
+            shown = EXAMPLES.get((name, key), value) if value is None else value
+            lines.append(f"# {key} = {value_text(name, key, shown, duration)}")
     return lines
 
 

@@ -12,6 +12,7 @@ import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from vllm_guard.core import gpu, ports
 from vllm_guard.core.errors import EXIT_USAGE, GuardError
@@ -134,7 +135,7 @@ def torch_build(python: str) -> tuple[str, tuple[int, int] | None, bool]:
     return str(version), cuda_version(cuda), True
 
 
-def check_nvidia(python: str, gpus: list[str], env: dict[str, str], report: Report) -> None:
+def check_nvidia(python: str, gpus: Sequence[str], env: dict[str, str], report: Report) -> None:
     """Driver new enough for the CUDA of the installed torch; `[server] gpus` name GPUs of this box
     as the service (environment `env`) will see them; persistence mode (a warning)."""
     version, needed, known = torch_build(python)
@@ -173,7 +174,7 @@ def _text(v: str | bytes) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def _check_gpus(gpus: list[str], env: dict[str, str], report: Report) -> None:
+def _check_gpus(gpus: Sequence[str], env: dict[str, str], report: Report) -> None:
     """The one selection rule (`core.gpu.service_gpus`), as the runtime will apply it."""
     handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
     static = [{"index": i, "uuid": _text(pynvml.nvmlDeviceGetUUID(h)),

@@ -10,10 +10,13 @@ late, crashes, commands, rolling replicas — in milliseconds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import msgspec
 
 from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.protocol import ChildProcess, GateReport
@@ -98,13 +101,18 @@ class SimGen:
     opened: float | None = None  # when its gate opened
 
 
+def tweak(cfg: GuardConfig, section: str, **values: Any) -> GuardConfig:
+    """`cfg` with keys of one section replaced, unchecked and not marked explicit (a test's
+    arrangement, as a value: the configuration is frozen)."""
+    return dataclasses.replace(cfg, **{section: msgspec.structs.replace(getattr(cfg, section), **values)})
+
+
 class World:
     def __init__(self, tmp: Path, cfg: GuardConfig | None = None, replicas: int = 1) -> None:
         self.tmp = tmp
         self.now = 1000.0
         self.term_s = 2.0
-        self.cfg = cfg or GuardConfig()
-        self.cfg.server.state_dir = str(tmp)
+        self.cfg = tweak(cfg or GuardConfig(), "server", state_dir=str(tmp))
         self.ledger = RuntimeLedger(tmp)
         self.books = RuntimeBooks(self.ledger, self.cfg.server.failure_window, clock=self.clock)
         self.plans: list[Plan] = []  # consumed in spawn order; default Plan() when empty

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GUARD_CMD
-from vllm_guard.core.config import ConfigError, load, parse_duration, validate
+from vllm_guard.core.config import ConfigError, load, parse_duration, validate, with_value, with_values
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -114,7 +114,7 @@ def test_cli_flags_override_the_file(tmp_path: Path) -> None:
     args = build_parser()[0].parse_args(["serve", "--config", str(cfg), "--max-requests", "7"])
     c = serve_config(args, ["--max-model-len", "512"])
     assert c.recycle.max_requests == 7 and c.recycle.max_uptime == 86400
-    assert c.server.vllm_args == ["--enforce-eager", "--max-model-len", "512"]
+    assert c.server.vllm_args == ("--enforce-eager", "--max-model-len", "512")
 
 
 def test_defaults_validate() -> None:
@@ -144,9 +144,9 @@ def test_vllm_cpu_servers_that_may_overlap_are_not_bound_to_the_same_cores() -> 
 
     c = GuardConfig()
     assert cpu_omp_bind(c, {}) == "nobind"  # auto strategy, a standby: two servers at once
-    c.server.recycle_strategy, c.server.standby = "cold", "off"
+    c = with_values(c, "server", {"recycle_strategy": "cold", "standby": "off"})
     assert cpu_omp_bind(c, {}) is None  # one server at a time: vLLM's own binding
-    c.server.replicas = 2
+    c = with_value(c, "server", "replicas", 2)
     assert cpu_omp_bind(c, {}) == "nobind"
     assert cpu_omp_bind(c, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) is None  # the operator's wins
 

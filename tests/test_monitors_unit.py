@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from vllm_guard.core import leak
-from vllm_guard.core.config import GuardConfig
+from vllm_guard.core.config import GuardConfig, RecycleConfig
 from vllm_guard.core.protocol import ChildProcess, MemoryReading, MemoryStatus, ProcessMemory, Role
 from vllm_guard.runtime.replica import monitors
 from vllm_guard.runtime.replica.monitors import FORECAST_POINTS, MemoryIO, forecast, memory_loop
@@ -80,9 +80,7 @@ class World:
 
 
 def _run(w: World, warmup: int = 3, interval: float = 2.0) -> None:
-    cfg = GuardConfig()
-    cfg.recycle.memory_warmup_requests = warmup
-    cfg.recycle.memory_interval = interval  # type: ignore[assignment]
+    cfg = GuardConfig(recycle=RecycleConfig(memory_warmup_requests=warmup, memory_interval=interval))
     gen = SimpleNamespace(
         target=w, row=7, number=2, replica=0,
         backend=SimpleNamespace(pid=4242, model="m", remember=lambda found: None),

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
 from vllm_guard.cli import build_parser
-from vllm_guard.core.config import GuardConfig
+from vllm_guard.core.config import GuardConfig, with_value, with_values
 from vllm_guard.core.ledger import EndClass
 from vllm_guard.core.protocol import Command, CommandRequest, RuntimeState
 from vllm_guard.runtime import reload as R
@@ -56,12 +55,12 @@ def test_a_reload_composes_the_file_again_with_the_same_flags_on_top(tmp_path: P
     path, compose = compose_for(tmp_path, BASE, "--port", "9123", "--max-requests", "7", "--", "--max-num-seqs", "4")
     cfg, model = compose()
     assert cfg.server.port == 9123 and cfg.recycle.max_requests == 7  # flags win over the file
-    assert cfg.server.vllm_args == ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "4"]
+    assert cfg.server.vllm_args == ("--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "4")
     assert model == cfg.server.model and cfg.source == str(path)
     path.write_text(path.read_text().replace('"512"', '"256"').replace("port = 8100", "port = 8200")
                     .replace("max_requests = 100", "max_requests = 50"))
     again, _ = compose()
-    assert again.server.vllm_args == ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4"]
+    assert again.server.vllm_args == ("--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4")
     assert again.server.port == 9123 and again.recycle.max_requests == 7  # the flags again, not the file
     plan = R.plan_reload(cfg, compose)
     assert plan.verdict == "apply" and plan.changed == ("[server] vllm_args",), plan
@@ -120,8 +119,8 @@ def test_nothing_changed_is_said_and_not_recycled(tmp_path: Path) -> None:
 
 def test_changed_keys_name_section_and_key_in_schema_order() -> None:
     a = GuardConfig()
-    b = GuardConfig()
-    b.server.model, b.server.vllm_args, b.probe.interval = "/m", ["--max-num-seqs", "8"], 3.0
+    b = with_values(a, "server", {"model": "/m", "vllm_args": ["--max-num-seqs", "8"]})
+    b = with_value(b, "probe", "interval", 3.0)
     assert R.changed_keys(a, b) == ["[server] model", "[server] vllm_args", "[probe] interval"]
     assert R.changed_keys(a, GuardConfig()) == []
 
@@ -135,12 +134,11 @@ def test_the_hash_is_short_stable_and_reads_only_the_runtimes_sections(tmp_path:
     reordered.mkdir()
     text = "[recycle]\nmax_requests = 100\n\n" + BASE.split("[recycle]")[0]
     _, again = compose_for(reordered, text)
-    cfg3 = again()[0]
-    cfg3.server.model = one.server.model  # the model dir's path differs between the two folders
+    cfg3 = with_value(again()[0], "server", "model", one.server.model)  # the model dir's path differs between the two folders
     assert R.config_hash(cfg3) == h  # the order of sections and keys does not count
-    other = replace(one, watchdog=replace(one.watchdog, interval=9.0))
+    other = with_value(one, "watchdog", "interval", 9.0)
     assert R.config_hash(other) == h  # nor do the watchdog's settings
-    args = replace(one, server=replace(one.server, vllm_args=[*one.server.vllm_args, "--max-num-seqs", "8"]))
+    args = with_value(one, "server", "vllm_args", [*one.server.vllm_args, "--max-num-seqs", "8"])
     assert R.config_hash(args) != h
 
 
@@ -276,21 +274,18 @@ def test_a_runtime_started_without_a_file_says_there_is_none_to_re_read(tmp_path
 
 # -- the supervisor's swap: one value, and every holder that copied part of it at start ----------
 def test_apply_config_swaps_the_one_value_and_what_copied_it(tmp_path: Path) -> None:
-    import copy
     import json
     import sqlite3
 
     from vllm_guard.runtime.supervisor import Supervisor
 
     async def go() -> None:
-        old = GuardConfig()
-        old.server.state_dir = str(tmp_path)
+        old = with_value(GuardConfig(), "server", "state_dir", str(tmp_path))
         sup = Supervisor(old, "m")
         try:
             assert sup.status().config.hash == R.config_hash(old)  # type: ignore[union-attr]
-            new = copy.deepcopy(old)
-            new.server.migration_limit, new.server.max_n, new.server.queue_size = 7, 3, 5
-            new.server.failure_window, new.server.retry_after = 42.0, 11
+            new = with_values(old, "server", {"migration_limit": 7, "max_n": 3, "queue_size": 5,
+                                              "failure_window": 42.0, "retry_after": 11})
             plan = R.ReloadPlan("apply", "x", R.config_hash(new), tuple(R.changed_keys(old, new)), cfg=new, model="m")
             sup.apply_config(plan)
             p = sup.proxy

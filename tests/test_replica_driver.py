@@ -11,7 +11,7 @@ import signal
 import sqlite3
 from pathlib import Path
 
-from replica_world import GIB, Plan, World, run
+from replica_world import GIB, Plan, World, run, tweak
 
 from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.ledger import EndClass
@@ -24,12 +24,10 @@ S = State
 
 
 def cfg(**server: object) -> GuardConfig:
-    c = GuardConfig()
-    c.server.unready_lead = 0.0  # type: ignore[assignment]
-    c.server.standby = "off"  # the standby's own scenarios turn it on
+    c = tweak(GuardConfig(), "server", unready_lead=0.0, standby="off")  # the standby's own scenarios turn it on
     for k, v in server.items():
         section, _, key = k.partition("__")
-        setattr(getattr(c, section), key, v)
+        c = tweak(c, section, **{key: v})
     return c
 
 
@@ -140,7 +138,7 @@ def test_gated_parks_then_opens_the_gate_only_once_the_old_one_is_gone(tmp_path:
 
 def test_a_cold_or_gated_stop_of_the_only_replica_is_announced_first(tmp_path: Path) -> None:
     c = cfg()
-    c.server.unready_lead = 10.0  # type: ignore[assignment]
+    c = tweak(c, "server", unready_lead=10.0)
 
     async def scenario(w: World) -> None:
         await serving(w)
@@ -176,8 +174,8 @@ def test_a_successor_that_never_gets_ready_times_out(tmp_path: Path) -> None:
         assert [f.kind for f in w.books.failures] == ["start_timeout"]
 
     c = cfg()
-    c.server.startup_timeout = 100.0  # type: ignore[assignment]
-    c.recycle.max_requests_overrun = 100.0  # not late by count: only the start timeout applies
+    c = tweak(c, "server", startup_timeout=100.0)
+    c = tweak(c, "recycle", max_requests_overrun=100.0)  # not late by count: only the start timeout applies
     run(tmp_path, scenario, c)
 
 
@@ -200,7 +198,7 @@ def test_a_successor_that_never_reaches_its_gate_fails_and_one_that_cannot_park_
         assert "draining" in d.reply.detail
 
     c = cfg()
-    c.server.gate_timeout = 60.0  # type: ignore[assignment]
+    c = tweak(c, "server", gate_timeout=60.0)
     run(tmp_path, scenario, c)
 
 
@@ -209,9 +207,9 @@ def test_a_late_overlap_successor_takes_over_after_the_old_one_drains(tmp_path: 
     wait: used up while the successor starts, the old generation drains anyway; the successor is
     not thrown away, it takes over once ready."""
     c = cfg()
-    c.recycle.max_requests = 100
-    c.recycle.max_requests_overrun = 0.5
-    c.server.recycle_strategy = "overlap"  # (auto would wait for a reading first)
+    c = tweak(c, "recycle", max_requests=100)
+    c = tweak(c, "recycle", max_requests_overrun=0.5)
+    c = tweak(c, "server", recycle_strategy="overlap")  # (auto would wait for a reading first)
 
     async def scenario(w: World) -> None:
         w.reading_after_s = 10_000.0  # nothing measured
@@ -240,8 +238,8 @@ def test_a_slow_successor_is_waited_for_past_any_count_while_memory_is_not_urgen
     generation). With memory readings that show no growth toward a limit, the old generation
     serves on past any count and the switch leaves no gap."""
     c = cfg()
-    c.recycle.max_requests = 300
-    c.recycle.max_requests_overrun = 0.5
+    c = tweak(c, "recycle", max_requests=300)
+    c = tweak(c, "recycle", max_requests_overrun=0.5)
 
     async def scenario(w: World) -> None:
         await serving(w)
@@ -264,7 +262,7 @@ def test_a_slow_successor_is_waited_for_past_any_count_while_memory_is_not_urgen
 
 def test_a_request_limit_recycle_with_a_forecast_waits_half_of_it(tmp_path: Path) -> None:
     c = cfg()
-    c.recycle.max_requests = 100
+    c = tweak(c, "recycle", max_requests=100)
 
     async def scenario(w: World) -> None:
         await serving(w)
@@ -283,7 +281,7 @@ def test_a_request_limit_recycle_with_a_forecast_waits_half_of_it(tmp_path: Path
 
 def test_a_memory_triggered_recycle_stops_waiting_before_its_forecast_limit(tmp_path: Path) -> None:
     c = cfg()
-    c.recycle.max_host_rss_growth_mb = 500.0
+    c = tweak(c, "recycle", max_host_rss_growth_mb=500.0)
 
     async def scenario(w: World) -> None:
         await serving(w)
@@ -340,7 +338,7 @@ def test_a_hang_is_a_failure_of_its_own_kind(tmp_path: Path) -> None:
 
 def test_max_failures_in_the_window_gives_up(tmp_path: Path) -> None:
     c = cfg()
-    c.server.max_failures = 2
+    c = tweak(c, "server", max_failures=2)
 
     async def scenario(w: World) -> None:
         # two different causes: the window decides, not the rule of the same cause twice
@@ -367,7 +365,7 @@ def test_the_same_start_failure_twice_ends_the_runtime_with_its_line(tmp_path: P
     """A worker killed by SIGILL in the same frame twice: no third start, however far the
     failure window's limit is; the one line names the process, the signal, the phase, the frame."""
     c = cfg()
-    c.server.max_failures = 10
+    c = tweak(c, "server", max_failures=10)
 
     async def scenario(w: World) -> None:
         w.plans += [Plan(exit_at_s=1.0, log=SIGILL_LOG), Plan(exit_at_s=1.0, log=SIGILL_LOG)]
@@ -384,7 +382,7 @@ def test_the_same_start_failure_twice_ends_the_runtime_with_its_line(tmp_path: P
 def test_a_start_that_served_forgets_the_last_death(tmp_path: Path) -> None:
     """SIGILL, then a generation that serves, then SIGILL again: not twice in a row."""
     c = cfg()
-    c.server.max_failures = 10
+    c = tweak(c, "server", max_failures=10)
 
     async def scenario(w: World) -> None:
         w.plans += [Plan(exit_at_s=1.0, log=SIGILL_LOG), Plan()]
@@ -520,7 +518,7 @@ def test_rolling_replicas_recycle_one_at_a_time_and_never_while_one_is_down(tmp_
 
 def test_an_inherited_backlog_does_not_trigger_the_next_recycle(tmp_path: Path) -> None:
     c = cfg()
-    c.recycle.max_requests = 50
+    c = tweak(c, "recycle", max_requests=50)
 
     async def scenario(w: World) -> None:
         await serving(w)
@@ -539,7 +537,7 @@ def test_an_inherited_backlog_does_not_trigger_the_next_recycle(tmp_path: Path) 
 # -- the parked standby --------------------------------------------------------------------------
 def standby_cfg() -> GuardConfig:
     c = cfg()
-    c.server.standby = "auto"
+    c = tweak(c, "server", standby="auto")
     return c
 
 
@@ -599,7 +597,7 @@ def test_a_cold_recycle_asked_for_sets_the_parked_standby_aside_and_starts_from_
 
 def test_configured_cold_recycles_keep_no_standby(tmp_path: Path) -> None:
     c = standby_cfg()
-    c.server.recycle_strategy = "cold"  # type: ignore[assignment]
+    c = tweak(c, "server", recycle_strategy="cold")
 
     async def scenario(w: World) -> None:
         await serving(w)
@@ -631,7 +629,7 @@ def test_an_overlap_recycle_that_opened_a_booting_standbys_gate_takes_it_once_th
     for it to be ready, not for a park that never comes (it waited out `gate_timeout`, then
     started cold, 5.6 minutes without service in `make demo`)."""
     c = standby_cfg()
-    c.recycle.max_requests = 100
+    c = tweak(c, "recycle", max_requests=100)
 
     async def scenario(w: World) -> None:
         w.plans += [Plan(), Plan(park_s=60.0, after_gate_s=2.0)]

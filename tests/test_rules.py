@@ -212,23 +212,22 @@ def test_the_watchdog_watches_the_gpus_the_runtime_gives_its_replicas(tmp_path: 
 
 
 def test_install_writes_server_gpus_and_no_unit_wide_cuda_visible_devices() -> None:
-    cfg = C.GuardConfig()
-    config_file.apply_flags(cfg, model=None, host=None, port=None, user=None, watchdog_user=None,
+    cfg = config_file.apply_flags(C.GuardConfig(), model=None, host=None, port=None, user=None, watchdog_user=None,
                             gpus="0,GPU-cccc", env=[], layout=Layout(None))
-    assert cfg.server.gpus == ["0", "GPU-cccc"]
+    assert cfg.server.gpus == ("0", "GPU-cccc")
     assert "CUDA_VISIBLE_DEVICES" not in cfg.install.environment()
-    with pytest.raises(UsageError, match=r"--gpus has value \['zero'\]"):
+    with pytest.raises(UsageError, match=r"--gpus has value 'zero': not a GPU index"):
         config_file.apply_flags(C.GuardConfig(), model=None, host=None, port=None, user=None, watchdog_user=None,
                                 gpus="zero", env=[], layout=Layout(None))
 
 
 def test_the_old_install_gpus_key_is_read_as_server_gpus_or_refused_beside_it(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = C.from_data({"install": {"gpus": [A]}}, "old.toml")
-    assert cfg.server.gpus == [A] and cfg.deprecations and "[server] gpus" in cfg.deprecations[0]
+    assert cfg.server.gpus == (A,) and cfg.deprecations and "[server] gpus" in cfg.deprecations[0]
     assert "old.toml: [install] gpus is deprecated" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"\[install\] gpus has value .*replaced by \[server\] gpus, which is set"):
         C.from_data({"install": {"gpus": [A]}, "server": {"gpus": ["0"]}})
-    with pytest.raises(ConfigError, match=r"\[install\] gpus has value \['x'\]"):
+    with pytest.raises(ConfigError, match=r"\[install\] gpus has value 'x': not a GPU index"):
         C.from_data({"install": {"gpus": ["x"]}})
 
 

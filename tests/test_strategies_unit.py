@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_guard.core.config import ConfigError, GuardConfig, set_value, validate
+from vllm_guard.core.config import ConfigError, GuardConfig, validate, with_value, with_values
 from vllm_guard.core.gpu import select_gpus
 from vllm_guard.core.protocol import MemoryReading, ProcessMemory, Role
 from vllm_guard.runtime.replica import plan as replicas
@@ -79,8 +79,7 @@ def test_an_explicit_strategy_is_obeyed_and_says_when_readings_disagree() -> Non
 
 
 def test_memory_fit_from_a_generation_reading() -> None:
-    cfg = GuardConfig()
-    set_value(cfg, "server", "vllm_args", ["--gpu-memory-utilization", "0.25"])
+    cfg = with_value(GuardConfig(), "server", "vllm_args", ["--gpu-memory-utilization", "0.25"])
     reading = MemoryReading(at="t", requests=5, rss_mb=3000.0, uss_mb=2500.0, gpu_mb=21 * GIB, per_process=[
         ProcessMemory(pid=1, role=Role.API_SERVER, rss_mb=800.0),
         ProcessMemory(pid=2, role=Role.ENGINE_CORE, rss_mb=2200.0, gpu_mb=21 * GIB)])
@@ -100,13 +99,13 @@ def test_a_parked_generation_that_prestages_holds_the_models_weights_too(tmp_pat
     reading = MemoryReading(at="t", requests=5, rss_mb=3000.0, uss_mb=None, gpu_mb=None, per_process=[
         ProcessMemory(pid=1, role=Role.API_SERVER, rss_mb=800.0)])
     assert replicas.prestage_mb(cfg, str(tmp_path)) == 0.0  # off by default
-    set_value(cfg, "server", "prestage_weights", "on")
+    cfg = with_value(cfg, "server", "prestage_weights", "on")
     staged = replicas.prestage_mb(cfg, str(tmp_path))
     assert staged == 4.0
     m = replicas.memory_fit(cfg, reading, {}, [], None, host_available_mb=2 * GIB, prestaged_mb=staged)
     assert m.parked_mb == 1604.0  # an API server, an imported EngineCore, the staged weights
     assert "a parked generation's 1.6 GiB" in choose_strategy("gated", m).reason
-    set_value(cfg, "server", "vllm_args", ["--tensor-parallel-size", "2"])  # the workers load: nothing staged
+    cfg = with_value(cfg, "server", "vllm_args", ["--tensor-parallel-size", "2"])  # the workers load: nothing staged
     assert replicas.prestage_mb(cfg, str(tmp_path)) == 0.0
 
 
@@ -220,10 +219,7 @@ STATIC = [
 
 
 def cfg_with(**server: object) -> GuardConfig:
-    cfg = GuardConfig()
-    for k, v in server.items():
-        set_value(cfg, "server", k, v)
-    return validate(cfg)
+    return validate(with_values(GuardConfig(), "server", server))
 
 
 def test_one_replica_per_gpu_each_with_its_own_cuda_visible_devices() -> None:

@@ -133,7 +133,7 @@ def test_instance_per_gpu_set(tmp_path: Path, model_dir: Path) -> None:
     env = (root / "etc/vllm-guard/tp01.env").read_text()
     assert "CUDA_VISIBLE_DEVICES=" not in env  # the runtime gives each replica its GPUs ([server] gpus)
     cfg = C.load(root / "etc/vllm-guard/tp01.toml")
-    assert cfg.server.gpus == ["GPU-0a1b2c3d-0000-1111-2222-333344445555", "GPU-0a1b2c3d-0000-1111-2222-333344446666"]
+    assert cfg.server.gpus == ("GPU-0a1b2c3d-0000-1111-2222-333344445555", "GPU-0a1b2c3d-0000-1111-2222-333344446666")
     assert cfg.server.state_dir == "/var/lib/vllm-guard/tp01"
     assert (root / "etc/systemd/system/multi-user.target.wants/vllm-guard@tp01.service").is_symlink()
     u = unit_lines(root / "etc/systemd/system/vllm-guard@.service")
@@ -164,7 +164,7 @@ def test_reinstall_keeps_edited_config_and_uninstall_keeps_the_ledger(tmp_path: 
 @pytest.mark.parametrize("args, needle", [
     (["--model", "/nonexistent/model"], "--model has value '/nonexistent/model'"),
     (["--model", "relative/dir"], "not an absolute path"),
-    (["--gpus", "0,first"], "--gpus has value ['0', 'first']: 'first' is not a GPU index (0, 1, ...) or UUID"),
+    (["--gpus", "0,first"], "--gpus has value 'first': not a GPU index (0, 1, ...) or UUID"),
     (["--user", "root"], "--user has value 'root'"),
     (["--port", "70000"], "--port has value 70000: must be <= 65535"),
     (["--port", "http"], "argument --port: invalid int value: 'http'"),
@@ -241,7 +241,7 @@ def test_written_config_keeps_every_section_and_long_durations(tmp_path: Path, m
     assert cfg.recycle.max_host_rss_growth_mb == 4096 and cfg.recycle.max_gpu_memory_growth_mb == 1024
     assert cfg.explicit["recycle"] == src.explicit["recycle"] | set(F.GPU_BOX_RECYCLE)
     assert cfg.recycle.max_uptime == 14 * 86400 and 'max_uptime = "14d"' in written.read_text()
-    assert cfg.server.vllm_args == ["--max-model-len", "4096"] and cfg.server.port == 23990
+    assert cfg.server.vllm_args == ("--max-model-len", "4096") and cfg.server.port == 23990
     assert "probe" not in cfg.explicit  # sections the base did not set are not written
 
 

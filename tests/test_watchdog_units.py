@@ -449,11 +449,12 @@ def test_config_errors_name_key_and_value(table: dict[str, Any], needle: str) ->
 
 def test_gpu_profile_defaults_do_not_override_the_operator() -> None:
     gc = from_data({"watchdog": {"thermal_margin_c": 3}})
-    assert apply_profile(gc.watchdog, gc.explicit["watchdog"], "NVIDIA A100-SXM4-80GB") == "a100"
-    assert gc.watchdog.thermal_margin_c == 3.0 and gc.watchdog.clock_drop_pct == 8.0
+    wd, name = apply_profile(gc.watchdog, gc.explicit["watchdog"], "NVIDIA A100-SXM4-80GB")
+    assert name == "a100" and gc.watchdog.clock_drop_pct == 10.0  # a new value; the loaded one stays
+    assert wd.thermal_margin_c == 3.0 and wd.clock_drop_pct == 8.0
     gc = from_data({"watchdog": {"gpu_profile": "h200"}})  # chosen by the operator, whatever the GPU
-    assert apply_profile(gc.watchdog, gc.explicit["watchdog"], "NVIDIA GeForce RTX 4090") == "h200"
-    assert gc.watchdog.thermal_margin_c == 8.0
+    wd, name = apply_profile(gc.watchdog, gc.explicit["watchdog"], "NVIDIA GeForce RTX 4090")
+    assert name == "h200" and wd.thermal_margin_c == 8.0
 
 
 # -- reboot, ledger -------------------------------------------------------------------------------

@@ -51,9 +51,9 @@ def build_settings(args: argparse.Namespace) -> Settings:
     for flag in FLAGS:
         v = getattr(args, flag)
         if v is not None:
-            config.set_value(gc, "watchdog", flag, config.coerce("watchdog", flag, v, text=True))
+            gc = config.with_value(gc, "watchdog", flag, config.coerce("watchdog", flag, v, text=True))
     if args.dry_run:
-        config.set_value(gc, "watchdog", "dry_run", True)
+        gc = config.with_value(gc, "watchdog", "dry_run", True)
     config.validate(gc)
     state_dir, _ = paths.resolve_state_dir(args.state_dir, args.config)
     env = {**os.environ, **gc.install.environment()} if args.config else dict(os.environ)
@@ -80,14 +80,14 @@ async def _main(st: Settings, once: bool, as_json: bool) -> int:
 
     from vllm_guard.core.notify import Notifier
 
-    from .loop import Watchdog, summary_text, verdicts_json
+    from .loop import Watchdog, open_nvml, summary_text, verdicts_json
     from .profiles import apply_profile
 
     log = structlog.get_logger("vllm_guard.watchdog")
-    cfg = st.watchdog
-    wd = Watchdog(cfg, st.state_dir, exporter=not once, env=st.env, api_key=st.api_key, gpus=st.gpus)
-    names = wd.nvml.names()
-    profile = apply_profile(cfg, st.guard.explicit.get("watchdog", set()), names[0] if names else "")
+    nvml = open_nvml(st.watchdog)  # first: the GPU's name picks the profile the detectors are built with
+    names = nvml.names()
+    cfg, profile = apply_profile(st.watchdog, st.guard.explicit.get("watchdog", set()), names[0] if names else "")
+    wd = Watchdog(cfg, st.state_dir, exporter=not once, env=st.env, api_key=st.api_key, gpus=st.gpus, nvml=nvml)
     wd.ledger.set_meta({"gpu_profile": profile, "gpu_budget_mb": cfg.gpu_budget_mb, "gpu_names": names})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

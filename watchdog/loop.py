@@ -49,6 +49,11 @@ RELIABILITY_EVERY_TICKS = 60
 T = TypeVar("T")
 
 
+def open_nvml(cfg: WatchdogConfig) -> NvmlSource:
+    """The GPU readings: the configured trace replayed, else the live GPU."""
+    return ReplayNvml(cfg.nvml_trace) if cfg.nvml_trace else NvmlSession(cfg.nvml_timeout)
+
+
 class Watchdog:
     """`env` is the service's environment (the GPUs it sees) and `gpus` its `[server] gpus`;
     `api_key` what its vLLM demands; `nvml` a source to use instead of the live session or the
@@ -60,8 +65,7 @@ class Watchdog:
         self.cfg = cfg
         self.state_dir = Path(state_dir)
         self.api_key = api_key
-        self.nvml: NvmlSource = nvml if nvml is not None else \
-            ReplayNvml(cfg.nvml_trace) if cfg.nvml_trace else NvmlSession(cfg.nvml_timeout)
+        self.nvml: NvmlSource = nvml if nvml is not None else open_nvml(cfg)
         if not self.nvml.available:
             log.warning("nvml_unavailable", error=self.nvml.error)
         try:  # the GPUs the service's replicas use (the runtime's rule)

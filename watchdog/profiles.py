@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Collection
 
+import msgspec
+
 from vllm_guard.core.config import WatchdogConfig
 
 # name fragment (NVML) -> defaults for keys the operator did not set
@@ -20,14 +22,12 @@ PROFILES: dict[str, dict[str, Any]] = {
 }
 
 
-def apply_profile(cfg: WatchdogConfig, explicit: Collection[str], gpu_name: str) -> str:
-    """Profile defaults for this GPU (keys the operator set win); returns the profile name.
-    An explicit `gpu_profile` picks the profile whatever the GPU's name."""
+def apply_profile(cfg: WatchdogConfig, explicit: Collection[str], gpu_name: str) -> tuple[WatchdogConfig, str]:
+    """`cfg` with the profile defaults for this GPU (keys the operator set win), and the profile's
+    name. An explicit `gpu_profile` picks the profile whatever the GPU's name."""
     chosen = cfg.gpu_profile if "gpu_profile" in explicit else ""
     for fragment, values in PROFILES.items():
         if values["gpu_profile"] == chosen or (not chosen and fragment in gpu_name):
-            for k, v in values.items():
-                if k not in explicit:
-                    setattr(cfg, k, v)
-            return str(values["gpu_profile"])
-    return chosen or ("generic" if gpu_name else "")
+            defaults = {k: v for k, v in values.items() if k not in explicit}
+            return msgspec.structs.replace(cfg, **defaults), str(values["gpu_profile"])
+    return cfg, chosen or ("generic" if gpu_name else "")

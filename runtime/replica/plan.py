@@ -44,7 +44,7 @@ class ReplicaPlan:
 def plan(cfg: GuardConfig, static: Sequence[Mapping[str, Any]], env: Mapping[str, str]) -> list[ReplicaPlan]:
     """The replicas to run; ConfigError (one line naming the key) when the settings disagree."""
     s = cfg.server
-    explicit = "replicas" in cfg.explicit.get("server", set())
+    explicit = "replicas" in cfg.explicit.get("server", frozenset())
     if not s.gpus:
         return [ReplicaPlan(i) for i in range(s.replicas)]
     if not static:
