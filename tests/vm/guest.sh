@@ -90,8 +90,16 @@ curl -sN "$URL/v1/completions" -H 'Content-Type: application/json' -o /tmp/strea
   > /tmp/stream.code &
 curl_pid=$!
 for _ in $(seq 1 300); do [ -s /tmp/stream.txt ] && break; sleep 0.1; done
-# reload re-reads guard.toml and recycles only when the runtime's configuration changed: change one key
-sed -i 's/^drain_timeout = "2m"$/drain_timeout = "121s"/' /etc/vllm-guard/guard.toml
+# reload re-reads guard.toml and recycles only when the runtime's configuration changed: a vLLM
+# argument (the next generation must run with it)
+"$PY" - <<'PYEOF'
+import pathlib, re
+p = pathlib.Path("/etc/vllm-guard/guard.toml")
+t = p.read_text()
+new = re.sub(r'(?m)^(vllm_args = \[.*)\][ \t]*$', r'\1, "--max-num-seqs", "8"]', t, count=1)
+print("guard.toml vllm_args:", [l for l in new.splitlines() if l.startswith("vllm_args")])
+p.write_text(new)
+PYEOF
 systemctl reload vllm-guard.service
 reload_rc=$?
 reload_at=$(date +%s.%N)
@@ -107,10 +115,12 @@ if wait_for 600 "s['state']=='serving' and s['generation']>$gen_before"; then
   rec_in_flight=$(field "s['recent_recycles'][-1]['in_flight']")
   rec=$(field "[(r['reason'], r['in_flight'], r['duration_s']) for r in s['recent_recycles']][-1]")
   code=$(complete)
+  api=$(field "[c['pid'] for c in s['children'] if c['role']=='api_server'][0]")
+  seqs=$(tr '\0' '\n' < /proc/$api/cmdline | grep -A1 -x -- --max-num-seqs | tail -1)
   ok=$([ $reload_rc = 0 ] && [ "$(cat /tmp/stream.code)" = 200 ] && [ "$done_seen" = 1 ] && [ "$finish" = '"finish_reason":"length"' ] \
        && [ "$others_done" = 7 ] \
-       && [ "${rec_in_flight:-0}" -ge 1 ] && [ "$code" = 200 ] && echo true || echo false)
-  result reload_graceful "$ok" "reload rc=$reload_rc; the stream ended $after s after the reload: HTTP $(cat /tmp/stream.code), $chunks chunks, $finish, [DONE]=$done_seen (and $others_done/7 beside it); recycle (reason, in_flight, duration_s)=$rec; generation $gen_before -> $(field "s['generation']"); next request HTTP $code; failed requests $(field "s['requests']['failed']")"
+       && [ "${rec_in_flight:-0}" -ge 1 ] && [ "$code" = 200 ] && [ "$seqs" = 8 ] && echo true || echo false)
+  result reload_graceful "$ok" "reload rc=$reload_rc; the new API server runs --max-num-seqs $seqs; the stream ended $after s after the reload: HTTP $(cat /tmp/stream.code), $chunks chunks, $finish, [DONE]=$done_seen (and $others_done/7 beside it); recycle (reason, in_flight, duration_s)=$rec; generation $gen_before -> $(field "s['generation']"); next request HTTP $code; failed requests $(field "s['requests']['failed']")"
 else
   result reload_graceful false "not serving after reload: $(status_json | head -c 400)"
 fi
