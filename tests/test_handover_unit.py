@@ -5,6 +5,7 @@ load against real vLLM is tests/test_upgrade.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -15,7 +16,8 @@ from typing import Iterator
 
 import pytest
 
-from vllm_guard.core.errors import ConfigError
+from vllm_guard.core.protocol import Command, CommandReply, CommandRequest, RuntimeState
+from vllm_guard.runtime.commands import Commands, Stop
 from vllm_guard.runtime.child import handover
 from vllm_guard.runtime.child.keeper import Keeper, start_ticks
 from vllm_guard.runtime.frontdoor import listen
@@ -101,6 +103,8 @@ def test_without_a_lease_eof_kills_at_once(group: subprocess.Popen[bytes]) -> No
 CHILD = """
 import os, sys
 from vllm_guard.core.errors import ConfigError
+from vllm_guard.core.protocol import Command, CommandReply, CommandRequest, RuntimeState
+from vllm_guard.runtime.commands import Commands, Stop
 from vllm_guard.runtime.frontdoor import listen
 fd = int(sys.argv[1])
 if fd >= 0:
@@ -172,3 +176,58 @@ def test_the_units_restart_job_is_read_from_systemds_list() -> None:
     assert handover.own_unit("0::/system.slice/vllm-guard@gpu0.service\n") == "vllm-guard@gpu0.service"
     assert handover.own_unit("0::/user.slice/user-0.slice/session-3.scope\n") is None
     assert not handover.systemd_restarting({})  # outside systemd: a stop is a stop
+
+
+# -- the command and the signal ------------------------------------------------------------------
+class StopRecorder:
+    """The part of the supervisor `Commands` reaches for a stop or an upgrade."""
+
+    def __init__(self, socket_from_systemd: bool) -> None:
+        self.socket_from_systemd = socket_from_systemd
+        self.stops: list[tuple[bool, bool]] = []
+        self.drivers: list[object] = []
+        self.hold = None
+
+    state = RuntimeState.SERVING
+    generation = 1
+
+    def wake(self) -> None: ...
+
+    def can_hand_over(self) -> bool:
+        return self.socket_from_systemd
+
+    def begin_stop(self, second: bool, hand_over: bool = False) -> None:
+        self.stops.append((second, hand_over))
+
+
+def _upgrade(rt: StopRecorder) -> CommandReply:
+    return asyncio.run(Commands(rt).upgrade(CommandRequest(command=Command.UPGRADE)))  # type: ignore[arg-type]
+
+
+def test_upgrade_is_refused_where_the_port_would_close_with_the_runtime() -> None:
+    rt = StopRecorder(socket_from_systemd=False)
+    reply = _upgrade(rt)
+    assert not reply.accepted and "vllm-guard.socket" in reply.detail and rt.stops == []
+
+
+def test_upgrade_hands_over_once() -> None:
+    rt = StopRecorder(socket_from_systemd=True)
+    cmds = Commands(rt)  # type: ignore[arg-type]
+    first = asyncio.run(cmds.upgrade(CommandRequest(command=Command.UPGRADE)))
+    again = asyncio.run(cmds.upgrade(CommandRequest(command=Command.UPGRADE)))
+    assert first.accepted and "handing over" in first.detail and rt.stops == [(False, True)]
+    assert not again.accepted and "already stopping" in again.detail
+
+
+def test_sigterm_outside_systemd_is_a_plain_stop_even_on_a_handed_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("INVOCATION_ID", raising=False)
+    rt = StopRecorder(socket_from_systemd=True)
+    cmds = Commands(rt)  # type: ignore[arg-type]
+
+    async def two_signals() -> None:
+        cmds.put(Stop("SIGTERM"))
+        cmds.put(Stop("SIGTERM"))
+        await cmds.handle()
+
+    asyncio.run(two_signals())
+    assert rt.stops == [(False, False), (True, False)]
