@@ -139,8 +139,13 @@ def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def test_every_process_writes_a_report_the_runtime_decodes(server: PlainServer) -> None:
-    reports = server.reports()
-    assert len(reports) == 3, {pid: r.process for pid, r in reports.items()}
+    every = server.reports()
+    # a process that loaded the plugin and exited leaves its report, marked not alive: vLLM inspects
+    # the model's class in a short-lived subprocess of the API server while its model-info cache is
+    # cold (the first server of a session)
+    reports = {pid: r for pid, r in every.items() if r.alive}
+    assert len(reports) == 3, {pid: (r.process, r.alive) for pid, r in every.items()}
+    assert all(r.process is Role.API_SERVER for r in every.values() if not r.alive), every
     tree = {server.proc.pid} | {c.pid for c in psutil.Process(server.proc.pid).children(recursive=True)}
     version = registry.tree_version(registry.vllm_root())  # type: ignore[arg-type]
     for pid, r in reports.items():
