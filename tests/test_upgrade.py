@@ -8,6 +8,8 @@ no new generation started) after the readiness check. Under an open-loop streami
 the whole change: no connection refused, no request failed; the longest time to first token is
 printed (docs/BENCHMARKS.md). Then B is killed with SIGKILL: its keeper, which now watches the
 adopted processes, kills them (vLLM never outlives a runtime that is killed, not upgraded).
+A second runtime B with other vLLM arguments adopts A's generation, then recycles it at once
+(reason `upgrade`, overlap) onto one that runs its own arguments, under load, none failed.
 """
 
 from __future__ import annotations
@@ -156,6 +158,50 @@ def test_an_upgrade_refuses_no_connection_and_the_next_runtime_adopts_vllm(
         while time.monotonic() < end and any(alive(p) for p in [api, *pids]):
             time.sleep(0.2)
         assert not any(alive(p) for p in [api, *pids]), "vLLM outlived a runtime killed with SIGKILL"
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+@pytest.mark.timeout(900)
+def test_a_runtime_with_another_configuration_adopts_then_recycles_onto_its_own(
+        tiny_model: str, tmp_path: Path, held_socket: socket.socket) -> None:
+    """The new runtime runs other vLLM arguments than the generation it adopts: it takes it over
+    (nothing refused), then recycles at once (reason `upgrade`, overlap) onto a generation that
+    runs its own arguments, under load, with no request failed."""
+    state = tmp_path / "state"
+    args = ["--probe-interval", "30s", "--recycle-strategy", "overlap"]
+    a = GuardServer(tiny_model, state, args=args, listen=held_socket).start()
+    b: GuardServer | None = None
+    try:
+        a.wait_for(serving, 600, "runtime A serving")
+        with SteadyLoad(a) as load:
+            time.sleep(3)
+            out = a.admin("upgrade")
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert a.proc is not None and a.proc.wait(120) == 0, a.tail()
+            b = GuardServer(tiny_model, state, args=args, listen=held_socket,
+                            vllm_args=[*a.vllm_args, "--max-num-seqs", "8"])
+            b.log_path = state / "guard-b.log"
+            b.start()
+            b.wait_for(lambda s: s["generation"] == 2 and serving(s) and s["recycle_in_progress"] is None
+                       and not s["replicas"][0]["retiring"], 600, "runtime B serving its own generation")
+            time.sleep(3)
+        failed = [r for r in load.results if not r.ok]
+        assert not failed and len(load.results) > 10, [(r.status, r.error) for r in failed][:5]
+        assert event(b, "generation_adopted") is not None, b.tail()
+        assert (event(b, "adopted_recycle") or {}).get("why") == "another configuration", b.tail()
+        api = b.status()["replicas"][0]["pid"]
+        cmd = Path(f"/proc/{api}/cmdline").read_bytes().decode().split("\0")
+        given = [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == "--max-num-seqs"]
+        assert given[-1] == "8", cmd  # vLLM's parser keeps the last
+        db = sqlite3.connect(state / "ledger.sqlite")
+        try:
+            reasons = [r for (r,) in db.execute("SELECT trigger FROM recycles ORDER BY id")]
+        finally:
+            db.close()
+        assert reasons == ["upgrade"], reasons
     finally:
         a.stop()
         if b is not None:
