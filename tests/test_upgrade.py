@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import sqlite3
@@ -30,17 +29,10 @@ import pytest
 
 from conftest import GuardServer
 from streams import StreamResult, stream_completion, summarize
+from test_handover_unit import alive, members
 from test_strategies_real import MAX_TOKENS, SteadyLoad
 
 pytestmark = pytest.mark.slow
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 LONG = 400
@@ -58,19 +50,6 @@ def generation_row(state: Path, n: int) -> dict[str, Any]:
         return dict(db.execute("SELECT * FROM generations WHERE generation = ?", (n,)).fetchone())
     finally:
         db.close()
-
-
-def group(pgid: int) -> list[int]:
-    """The processes of process group `pgid` (the generation's: its API server leads it)."""
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if os.getpgid(int(p.name)) == pgid:
-                    out.append(int(p.name))
-            except OSError:
-                pass
-    return out
 
 
 def event(srv: GuardServer, name: str) -> dict[str, Any] | None:
@@ -150,7 +129,7 @@ def test_an_upgrade_refuses_no_connection_and_the_next_runtime_adopts_vllm(
         print(json.dumps({"requests": len(results), "failed": len(failed), "upgrade_s": round(took, 2),
                           "ttft_max_s": round(max(ttft), 3), "ttft_p50_s": round(sorted(ttft)[len(ttft) // 2], 3)}))
         # B owns it now: killed (not upgraded), its keeper takes vLLM down with it
-        pids = group(api)
+        pids = members(api)
         assert b.proc is not None
         b.proc.send_signal(signal.SIGKILL)
         b.proc.wait(30)
