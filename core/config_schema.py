@@ -43,7 +43,7 @@ RecycleStrategy = Literal["auto", "overlap", "gated", "cold"]
 RECYCLE_STRATEGIES: tuple[str, ...] = get_args(RecycleStrategy)
 OnOff = Literal["off", "on"]
 PatchId = Literal["kv-block-audit", "idle-release", "allocator-settings", "fault-injection", "add-request-abort",
-                  "block-ids-drain", "startup-gate", "prestaged-weights", "triton-ptxas", "attn-isa"]
+                  "block-ids-drain", "startup-gate", "prestaged-weights", "triton-ptxas", "attn-isa", "held-weights"]
 PATCH_IDS: tuple[str, ...] = get_args(PatchId)
 
 
@@ -129,6 +129,10 @@ class ServerConfig(Section, frozen=True):
     # safetensors into host memory (pinned on a GPU) and creates its CUDA context; vLLM then loads
     # the weights from that copy after the gate. Costs the weights' size in RAM per parked generation
     prestage_weights: OnOff = "off"
+    # on: each replica keeps its model's weights in one holder process (GPU memory, or shared host
+    # memory) and every generation after the first maps them instead of reading the checkpoint; a
+    # recycle still frees everything else a generation allocated. auto: on where the replica has a GPU
+    hold_weights: Literal["auto", "on", "off"] = "auto"
     # on: a generation that parks at its startup gate first imports the modules the last generation
     # imported after its gate (recorded in the state dir) and freezes its heap for the collector;
     # it does not send vLLM's usage report again. Costs nothing after the gate; off: vLLM as it is

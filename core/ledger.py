@@ -101,7 +101,10 @@ CREATE TABLE IF NOT EXISTS generations (
     start_phases TEXT,
     -- the configuration it ran (runtime/reload.py `config_hash`); after a reload, the keys it changed (JSON)
     config_hash TEXT,
-    config_changed TEXT
+    config_changed TEXT,
+    -- where its weights came from: held (mapped from the replica's holder) or disk, with why
+    weights_source TEXT,
+    weights_note TEXT
 );
 CREATE TABLE IF NOT EXISTS recycles (
     id INTEGER PRIMARY KEY,
@@ -287,7 +290,9 @@ _MIGRATIONS: dict[str, dict[str, str]] = {
                     "updated_at": "TEXT", "start_phases": "TEXT",
                     # schema 4: the configuration it ran (runtime/reload.py `config_hash`) and, on the
                     # first generation of a replica after a reload, the keys that reload changed (JSON list)
-                    "config_hash": "TEXT", "config_changed": "TEXT"},
+                    "config_hash": "TEXT", "config_changed": "TEXT",
+                    # where its weights came from (`[server] hold_weights`)
+                    "weights_source": "TEXT", "weights_note": "TEXT"},
     "recycles": {"strategy": "TEXT", "replica": "INTEGER NOT NULL DEFAULT 0"},
     # schema 3: the watchdog watches every replica (NULL: a box-wide row, as every older row is)
     "samples": {"replica": "INTEGER"},

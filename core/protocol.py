@@ -21,7 +21,7 @@ from .errors import ProtocolError
 from .ledger import EndClass
 from .sanitize import check_reason
 
-SCHEMA = "vllm-guard-status/4"
+SCHEMA = "vllm-guard-status/5"
 RECENT = 10
 
 
@@ -229,6 +229,25 @@ class WarmReport(_Model):
     note: str = ""  # why nothing was imported (no list, another vLLM version, an error)
 
 
+class Source(str, enum.Enum):
+    """Where a generation's weights came from."""
+
+    HELD = "held"  # mapped from the holder
+    DISK = "disk"  # read from the checkpoint (and then given to the holder, if there is one)
+
+
+class WeightsReport(_Model):
+    """What a generation's engine says about its weights (part of its `PatchProcessReport`)."""
+
+    source: Source
+    reason: str = ""  # why from disk (the holder's miss, or why there is no holder)
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0  # building the model and getting its weights (map or load)
+    given: bool = False  # DISK: the holder took a copy for the next generation
+    give_error: str = ""
+
+
 class PatchProcessReport(_Model):
     """What the plugin reports from one vLLM process (`patches/gen-N/<pid>.json`)."""
 
@@ -243,6 +262,7 @@ class PatchProcessReport(_Model):
     alive: bool = True
     events: PatchEvents | None = None
     warm: WarmReport | None = None  # a gated generation's warm start in this process (`[server] warm_start`)
+    weights: WeightsReport | None = None  # where its model's weights came from (`[server] hold_weights`)
 
 
 class LedgerHealth(_Model):
@@ -270,6 +290,22 @@ class StartPhase(_Model):
     s: float
 
 
+class HolderStatus(_Model):
+    """A replica's weight holder (`core.holder`): the copy generations map instead of the checkpoint."""
+
+    pid: int | None = None
+    alive: bool = True
+    state: Literal["empty", "filling", "held", "stale", "unknown"] = "unknown"
+    tensors: int = 0
+    bytes: int = 0
+    handed: int = 0  # generations that mapped this copy
+    stale: str = ""  # why the copy is never handed out again (the holder restarts once nothing maps it)
+    drops: int = 0  # copies dropped (each a restart of the holder)
+    last_drop: str = ""
+    pending_drop: str = ""  # a drop waiting for the generations that map the copy to go
+    error: str = ""  # the holder did not answer, or exited
+
+
 class ReplicaStatus(_Model):
     """One vLLM server behind the proxy (a runtime with one replica has one of these)."""
 
@@ -293,6 +329,9 @@ class ReplicaStatus(_Model):
     standby: StandbyStatus | None = None
     start_phases: list[StartPhase] = Field(default_factory=list)  # where its current generation's start went
     config: str | None = None  # the configuration hash its current generation was launched with
+    weights_source: Source | None = None  # where its current generation's weights came from (held / disk)
+    weights_note: str = ""  # why from disk, when it was
+    holder: HolderStatus | None = None  # its weight holder (`[server] hold_weights`)
 
 
 class ReloadStatus(_Model):
@@ -379,7 +418,7 @@ class GateReport(_Model):
 
 
 class StatusSnapshot(_Model):
-    schema_: Literal["vllm-guard-status/4"] = Field("vllm-guard-status/4", alias="schema")
+    schema_: Literal["vllm-guard-status/5"] = Field("vllm-guard-status/5", alias="schema")
     state: RuntimeState
     state_for_s: float
     generation: int

@@ -22,7 +22,7 @@ from vllm_guard.core.config import ConfigError, InjectConfig, PatchesConfig
 from vllm_guard.core.errors import ProtocolError
 from vllm_guard.core.protocol import PatchProcessReport, decode
 
-from . import defs, registry
+from . import defs, held, registry
 from .report import Channel
 
 log = logging.getLogger("vllm.vllm_guard.patches")
@@ -52,6 +52,7 @@ def vllm_version(load: bool = True) -> str:
 
 
 ATTN_ISA_NOT_HANDED = "no attention ISA verdict from the runtime (a CUDA build, or vLLM started without it)"
+HELD_NOT_ASKED = "not asked (no weight holder for this replica)"
 PRESTAGE_NOT_ASKED = "not asked (no VLLM_GUARD_PRESTAGE in a gated generation)"
 
 
@@ -74,6 +75,7 @@ class Plugin:
         self.states: dict[str, dict[str, Any]] = {}
         self.parts: dict[str, Any] = {}  # patch id -> object with summary()
         self.warm: dict[str, Any] | None = None  # the `WarmReport` of a warm start before the gate
+        self.weights: dict[str, Any] | None = None  # the `WeightsReport` of this process's model load
 
     def apply_all(self) -> None:
         appliers: dict[str, Callable[[], str]] = {
@@ -81,7 +83,7 @@ class Plugin:
             "allocator-settings": self._allocator, "fault-injection": self._inject,
             "add-request-abort": self._add_request_abort, "block-ids-drain": self._block_ids_drain,
             "startup-gate": self._gate, "prestaged-weights": self._prestage, "triton-ptxas": self._ptxas,
-            "attn-isa": self._attn_isa,
+            "attn-isa": self._attn_isa, "held-weights": self._held,
         }
         for defn in defs.ALL:
             self.states[defn.id] = self._apply_one(defn, appliers[defn.id])
@@ -95,6 +97,9 @@ class Plugin:
         if defn.id == "prestaged-weights" and not _prestage_asked():
             # before the live check: it would import vLLM's model loader into every EngineCore
             return {"state": "skipped", "reason": PRESTAGE_NOT_ASKED}
+        if defn.id == "held-weights" and held.requested() is None:
+            # before the live check: it would import vLLM's model loader into every process
+            return {"state": "skipped", "reason": HELD_NOT_ASKED}
         if defn.id == "attn-isa" and attn_isa.from_env(os.environ) is None:
             # before the live check: it would import vLLM's CPU attention into a GPU EngineCore
             return {"state": "skipped", "reason": ATTN_ISA_NOT_HANDED}
@@ -223,6 +228,19 @@ class Plugin:
         except ptxas.NotNeeded as e:
             raise _Skip(str(e)) from e
 
+    def _held(self) -> str:
+        asked = held.requested()
+        if asked is None:
+            raise _Skip(HELD_NOT_ASKED)
+        patch = held.HeldWeights(asked[0], asked[1], self._weights_said)
+        patch.install()
+        self.parts["held-weights"] = patch
+        return f"the default loader maps the weights held by {asked[0]} (or loads and hands them over)"
+
+    def _weights_said(self, r: Any) -> None:
+        self.weights = r.model_dump(mode="json")
+        self.write()
+
     def _gate(self) -> str:
         from . import gate
 
@@ -303,6 +321,7 @@ class Plugin:
             "details": {k: v.summary() for k, v in self.parts.items()},
             "inject": self.inject.active,
             **({"warm": self.warm} if self.warm is not None else {}),
+            **({"weights": self.weights} if self.weights is not None else {}),
         }
 
     def write(self) -> None:

@@ -52,6 +52,9 @@ SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
     "prestage_weights": ("server", "prestage_weights", "on: a generation parked at its startup gate reads the "
                          "model's weights into (pinned) host memory first, so less is left after the gate; "
                          "costs their size in RAM (default off)"),
+    "hold_weights": ("server", "hold_weights", "on: each replica keeps the model's weights resident in a holder process "
+                     "and later generations map them instead of reading the checkpoint; auto: on where there is "
+                     "a GPU; off: every start reads the checkpoint (default auto)"),
     "warm_start": ("server", "warm_start", "on: a generation parked at its startup gate first imports what the last "
                    "one imported after its gate, so less is left after it (default on)"),
     "unready_lead": ("server", "unready_lead", "readiness says 503 this long before a cold or gated recycle stops the "

@@ -16,6 +16,7 @@ from typing import Awaitable, Callable, Literal, Protocol, Sequence
 
 import structlog
 
+from vllm_guard.core import holder
 from vllm_guard.core.ledger import EndClass
 from vllm_guard.core.protocol import Command, CommandReply, CommandRequest, RuntimeState
 
@@ -57,6 +58,8 @@ class Runtime(Protocol):
     def begin_stop(self, second: bool, hand_over: bool = False) -> None: ...
 
     def can_hand_over(self) -> bool: ...
+
+    def drop_holder(self, replica: int | None, reason: str) -> None: ...
 
     async def set_hold(self, reason: str) -> str: ...
 
@@ -115,6 +118,11 @@ class Commands:
             reply = await self._handlers[item.command](item)
             if not reply.accepted:
                 log.warning("command_refused", command=item.command.value, detail=reply.detail)
+            else:
+                why = holder.drop_reason(command=item.command.value, reason=item.reason,
+                                         strategy=item.strategy.value if item.strategy else None)
+                if why is not None:
+                    self.rt.drop_holder(item.replica, why)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 

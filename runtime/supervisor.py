@@ -189,6 +189,8 @@ class Supervisor:
                     await d.tick(lambda d=d: self.facts(d))  # type: ignore[misc]
                 await self._tell_stop()
                 await self._recycle_adopted()
+                if self.launcher is not None and self.launcher.holders:
+                    await self.launcher.settle_holders()
                 t3 = time.monotonic()
                 await self._heartbeat()
                 self._note_slow_turn(t0, t1, t2, t3, time.monotonic())
@@ -218,6 +220,8 @@ class Supervisor:
                                     self._on_probe, self._on_version, self.wake)
         self.launcher = launcher = Launcher(self.cfg, self.model, self.python, self.state_dir, self.ledger, plans,
                                             self.next_number, self.config_hash)
+        launcher.gpu_box = bool(static)
+        self.books.on_failure = launcher.note_failure
         self.drivers = [ReplicaDriver(p, launcher, self.proxy, self.books, kit, self,
                                       request_timeout=self.cfg.server.request_timeout) for p in plans]
         for d in self.drivers:
@@ -225,6 +229,7 @@ class Supervisor:
             d.gpu_name = name
             self.books.set_gpu_name(d.index, name)
         self._take_handover(launcher)
+        await launcher.claim_holders()
         orphans = await lifecycle.kill_orphans(self.ledger)
         for lost in self.ledger.close_open_generations(FailureKind.RUNTIME_LOST.value):
             self.books.lost(lost.generation, lost.replica, lost.failure_id, lost.at)
@@ -252,6 +257,8 @@ class Supervisor:
             await d.kill_for_good(self._ended_by_error)
         if self.handed:
             await asyncio.to_thread(self._write_handover)
+        elif self.launcher is not None:
+            await self.launcher.stop_holders()
         await self.proxy.stop()
         if self.admin is not None:
             await self.admin.cleanup()
@@ -285,6 +292,9 @@ class Supervisor:
             rows.add(g.row)
         self.ledger.adopting(rows)
         launcher.hand_over(self.listen_sock is not None, adoptable, Path(record.mark) if rows else None)
+        for h in record.holders:  # a holder outlives its runtime by its lease; this one follows it now
+            if h.replica in launcher.plans and handover.same_process(start_ticks(h.proc.pid), h.proc.ticks):
+                launcher.adopt_holder(h.replica, h.proc.pid, h.key, h.device)
 
     def _write_handover(self) -> None:
         """The record for the next runtime, then the keeper's lease: the runtime's last acts."""
@@ -303,8 +313,15 @@ class Supervisor:
                 uds=str(b.uds) if b.uds is not None else None, log_path=str(b.log_path), config_hash=gen.config,
                 served=gen.target.completed))
             self.ledger.generation_progress(gen.row, gen.target.completed)  # its row, up to date for the next
+        holders = []
+        for h in (self.launcher.holders.values() if self.launcher is not None else ()):
+            ticks = start_ticks(h.pid) if h.pid is not None and h.alive else None
+            if h.pid is not None and ticks is not None:
+                holders.append(handover.HandedHolder(replica=h.replica, proc=handover.Proc(pid=h.pid, ticks=ticks),
+                                                     key=h.key, device=h.device))
         record = handover.Record(state_dir=str(self.state_dir.resolve()), runtime_pid=os.getpid(), written_at=utcnow(),
-                                 lease_s=handover.LEASE_S, mark=str(mark.resolve()), generations=gens)
+                                 lease_s=handover.LEASE_S, mark=str(mark.resolve()), generations=gens,
+                                 holders=holders)
         handover.write(self.state_dir, record)
         backends.hand_over(handover.LEASE_S, mark.resolve())
         log.info("handover_written", generations=[g.generation for g in gens], lease_s=handover.LEASE_S,
@@ -326,6 +343,11 @@ class Supervisor:
                 del self._adopted[d.index]
                 log.info("adopted_recycle", replica=d.index, ran=ran, config=self.config_hash,
                          why="another configuration" if ran != self.config_hash else "--recycle-adopted")
+
+    def drop_holder(self, replica: int | None, reason: str) -> None:
+        """The weight holders' drop rule (`core.holder.drop_reason`) said so."""
+        if self.launcher is not None:
+            self.launcher.drop_holder(replica, reason)
 
     def can_hand_over(self) -> bool:
         """Only on a socket systemd holds: else the port would close with this runtime."""

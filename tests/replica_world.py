@@ -142,6 +142,7 @@ class World:
         self.drivers = [ReplicaDriver(ReplicaPlan(i), self, self, self.books, self, self,
                                       request_timeout=60.0, clock=self.clock) for i in range(replicas)]
         self.ready_sent = False
+        self.live: list[int] = []  # generations in the order they went live (Spawner.went_live)
 
     def clock(self) -> float:
         return self.now
@@ -158,6 +159,12 @@ class World:
                          spawned_mono=self.now, beside=beside, standby=standby)
         self.gens.append(SimGen(gen, self.plans.pop(0) if self.plans else Plan(), self.now))
         return gen
+
+    async def went_live(self, gen: Generation) -> None:
+        self.live.append(gen.number)
+
+    def holder_status(self, replica: int) -> None:
+        return None
 
     def _limit(self) -> int | None:
         return self.cfg.recycle.max_requests or None

@@ -71,7 +71,7 @@ def test_status_json_is_a_typed_snapshot(held: tuple[Path, subprocess.Popen[byte
     assert snap.generation == 0 and snap.children == [] and snap.backend_url is None
     assert snap.ledger.ok and snap.ledger.pending_writes == 0
     code, data = raw(state / "admin.sock", "GET", "/status")
-    assert code == 200 and data["schema"] == "vllm-guard-status/4"
+    assert code == 200 and data["schema"] == "vllm-guard-status/5"
 
 
 def test_human_status_says_held_and_never_none(held: tuple[Path, subprocess.Popen[bytes]]) -> None:
@@ -144,7 +144,7 @@ def test_sigterm_while_held_exits_0(held: tuple[Path, subprocess.Popen[bytes]]) 
 
 # -- the human format, pure -------------------------------------------------------------------
 def snapshot(**kw: Any) -> StatusSnapshot:
-    base: dict[str, Any] = {"schema": "vllm-guard-status/4", "state": RuntimeState.SERVING, "state_for_s": 245.0,
+    base: dict[str, Any] = {"schema": "vllm-guard-status/5", "state": RuntimeState.SERVING, "state_for_s": 245.0,
                             "generation": 3, "pid": 1, "port": 8000, "model": "m"}
     base.update(kw)
     return StatusSnapshot(**base)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 import structlog
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .keeper import same_process, start_ticks
 
@@ -59,6 +59,15 @@ class HandedGeneration(_Model):
     served: int  # requests it completed so far (its ledger row's count goes on from there)
 
 
+class HandedHolder(_Model):
+    """A replica's weight holder, left running for the next runtime (it waits `core.holder.LEASE_S`)."""
+
+    replica: int
+    proc: Proc
+    key: str  # its socket's authkey (hex); the record is the state dir's, mode 0600
+    device: str
+
+
 class Record(_Model):
     version: Literal["vllm-guard-handover/1"] = SCHEMA
     state_dir: str
@@ -67,6 +76,7 @@ class Record(_Model):
     lease_s: float
     mark: str  # the file the next runtime creates once it adopted them (releases the old keeper)
     generations: list[HandedGeneration]
+    holders: list[HandedHolder] = Field(default_factory=list)
 
 
 def record_path(state_dir: Path) -> Path:

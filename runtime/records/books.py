@@ -50,6 +50,7 @@ class RuntimeBooks:
     _open: dict[int, _Open] = field(default_factory=dict)
     _gpu_names: dict[int, str] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic  # the failure window's clock (the driver's, in tests)
+    on_failure: Callable[[int, str], None] | None = None  # (replica, detail): the weight holder's drop rule
 
     # -- generations -------------------------------------------------------------------------
     def set_version(self, version: str) -> None:
@@ -62,6 +63,8 @@ class RuntimeBooks:
         self.ledger.generation_ready(gen.row, self.vllm_version, self._gpu_names.get(gen.replica, ""))
         if not gen.adopted:  # an adopted generation's start is the previous runtime's record
             self.ledger.generation_phases(gen.row, gen.start_phases())
+            if gen.weights is not None:
+                self.ledger.generation_weights(gen.row, gen.weights.source.value, gen.weights.reason)
 
     def generation_ended(self, gen: Generation, leftover: tuple[int, ...]) -> None:
         reason, cls = gen.end_reason
@@ -81,6 +84,8 @@ class RuntimeBooks:
                   detail=detail, cls=cls.value)
         if cls is EndClass.UNPLANNED:
             self._times.append(self.clock())
+        if self.on_failure is not None:
+            self.on_failure(gen.replica, detail)
 
     def lost(self, generation: int, replica: int, ledger_id: int, at: str) -> None:
         """A generation a killed runtime left running: an unplanned failure, restored when this

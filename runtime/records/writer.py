@@ -364,6 +364,11 @@ class RuntimeLedger:
         self._put("UPDATE generations SET ready_at = COALESCE(ready_at, ?), updated_at = ?, vllm_version = ?, "
                   "gpu_name = ? WHERE id = ?", (now, now, vllm_version, gpu_name, row), "generation ready")
 
+    def generation_weights(self, row: int, source: str, note: str) -> None:
+        """Where the generation's weights came from (held / disk) and, from disk, why."""
+        self._put("UPDATE generations SET weights_source = ?, weights_note = ?, updated_at = ? WHERE id = ?",
+                  (source, note, utcnow(), row), "generation weights")
+
     def generation_phases(self, row: int, phases: list[tuple[str, float]]) -> None:
         """Where the generation's start went (phase, seconds after spawn)."""
         self._put("UPDATE generations SET start_phases = ?, updated_at = ? WHERE id = ?",

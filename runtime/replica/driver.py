@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable
 import structlog
 
 from vllm_guard.core import plugin
+from vllm_guard.core.protocol import HolderStatus
 
 from .decide import decide
 from .generation import Generation
@@ -166,6 +167,7 @@ class ReplicaDriver:
             await self.door.allow_past_limit(gen.target)  # the limit is soft: its successor starts beside it
         gen.went_live()
         gen.note_engines(await gen.backend.children())
+        await self.spawner.went_live(gen)
         self.books.generation_ready(gen)
         self.books.restored(self.index)
         log.info("generation_ready", generation=gen.number, replica=self.index, pid=gen.backend.pid,
@@ -389,6 +391,9 @@ class ReplicaDriver:
         if self._room_off is not None:
             self._room_off()
             self._room_off = None
+
+    def holder_status(self) -> HolderStatus | None:
+        return self.spawner.holder_status(self.index)
 
     def overdue(self, now: float, grace: float) -> bool:
         return self.machine.overdue(now, grace)

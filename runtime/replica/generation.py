@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_guard.core.ledger import EndClass
-from vllm_guard.core.protocol import ChildProcess, GateReport, MemoryStatus, PatchProcessReport, Role
+from vllm_guard.core.protocol import ChildProcess, GateReport, MemoryStatus, PatchProcessReport, Role, WeightsReport
 
 from ..child import death as deaths
 from ..child.anatomy import Anatomy
@@ -55,6 +55,7 @@ class Generation:
     fit: MemoryFit | None = None
     held_mb: tuple[float, float | None] | None = None  # a standby's host RSS and GPU memory (MiB)
     death: deaths.Death | None = None  # why it exited on its own before it ever served (its log)
+    weights: WeightsReport | None = None  # where its weights came from (its engine's report, at ready)
     # its way out, as decided
     phase: GenPhase = GenPhase.BOOTING
     deadline: float | None = None
@@ -135,6 +136,10 @@ class Generation:
         self.children, self.patches = found, patches
         if dead is not None and self.dead_engine is None:
             self.dead_engine = dead
+
+    def note_weights(self, report: WeightsReport | None) -> None:
+        """Where its weights came from, as its engine reported (at ready)."""
+        self.weights = report
 
     def note_engines(self, found: list[ChildProcess]) -> None:
         self.children = found

@@ -8,6 +8,7 @@ gives each its number (numbers continue across runtimes), its log file, its star
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -15,11 +16,14 @@ from typing import Callable, Sequence
 import structlog
 
 from vllm_guard.core import plugin
+from vllm_guard.core import holder as held
 from vllm_guard.core.config import GuardConfig, ServerConfig
+from vllm_guard.core.protocol import HolderStatus
 
 from ..child.adopted import AdoptedProcess
 from ..child.backend import Backend, child_env, free_port
 from ..child.handover import HandedGeneration, live_procs
+from ..child.holder import HolderProcess
 from ..frontdoor.target import Target
 from .generation import Generation
 from .plan import ReplicaPlan
@@ -30,6 +34,7 @@ log = structlog.get_logger("vllm_guard.supervisor")
 
 KEEP_LOGS = 20
 PARK_SLACK_S = 120.0
+SETTLE_EVERY_S = 0.5  # a pending drop asks the holder this often whether an engine still maps it
 STANDBY_PARK_S = 30 * 86400.0  # a standby waits at its gate until it is needed (a month: then it is replaced)
 
 
@@ -57,6 +62,10 @@ class Launcher:
         self.kept = False  # generations may outlive this runtime (a hand-over): no parent-death signal
         self.adoptable: dict[int, HandedGeneration] = {}  # per replica: what a previous runtime handed over
         self.adopt_mark: Path | None = None  # created once adopted: the previous runtime's keeper lets go
+        self.gpu_box = False  # NVML sees a GPU: `[server] hold_weights = "auto"` holds on the GPU
+        self.holders: dict[int, HolderProcess] = {}  # per replica: the weight holder (`core.holder`)
+        self.pending_drop: dict[int, str] = {}  # per replica: why its copy goes once nothing maps it
+        self._settle_tried: dict[int, float] = {}
 
     def configure(self, cfg: GuardConfig, model: str, config_hash: str, changed: Sequence[str]) -> None:
         """A reload's configuration: every generation launched from now on runs it; each replica's
@@ -83,6 +92,104 @@ class Launcher:
             return None
         return str(Path(self.model).resolve())
 
+    # -- the weight holder ------------------------------------------------------------------------
+    def holder_device(self) -> str | None:
+        """Where a replica's holder keeps the weights (`[server] hold_weights`), or None: no holder."""
+        mode = self.cfg.server.hold_weights
+        if mode == "off":
+            return None
+        if self.gpu_box:
+            return "cuda"
+        return "cpu" if mode == "on" else None
+
+    async def holder_env(self, replica: int) -> dict[str, str]:
+        """The holder's address for a new generation of `replica`, started if it is not running
+        (without waiting: the engine looks for it only when it loads its weights)."""
+        device = self.holder_device()
+        h = self.holders.get(replica)
+        if device is None:
+            if h is not None:
+                self.drop_holder(replica, "[server] hold_weights is off")
+            return {}
+        if h is None or h.device != device:
+            if h is not None:
+                await h.stop()
+            env = {k: v for k, v in {**os.environ, **self.plans[replica].env()}.items()
+                   if k != plugin.ALLOC_VAR}  # IPC export of expandable segments is not what torch shares
+            h = self.holders[replica] = HolderProcess(replica, self.state_dir, self.python, env, device)
+        if not h.alive:
+            h.start()
+        return h.child_env()
+
+    def adopt_holder(self, replica: int, pid: int, key: str, device: str) -> None:
+        """A previous runtime's holder (a hand-over): its adopted generation maps its memory."""
+        env = {**os.environ, **self.plans[replica].env()}
+        h = self.holders[replica] = HolderProcess(replica, self.state_dir, self.python, env, device)
+        h.adopt(pid, key)
+
+    async def claim_holders(self) -> None:
+        """Tell each adopted holder this runtime is the one it follows (else it exits after its lease)."""
+        for i, h in list(self.holders.items()):
+            if await h.take_over(os.getpid()):
+                log.info("holder_adopted", replica=i, pid=h.pid, bytes=h.last.bytes if h.last else None)
+            else:
+                log.warning("holder_not_adopted", replica=i, pid=h.pid, error=h.error)
+                self.holders.pop(i, None)
+
+    def drop_holder(self, replica: int | None, reason: str) -> None:
+        """Drop the held copy of `replica` (None: every replica's) as soon as no live generation
+        maps it (`settle_holders`); the next start then loads from disk and fills a fresh holder."""
+        for i in self.holders:
+            if replica is None or i == replica:
+                self.pending_drop.setdefault(i, reason)
+                log.info("holder_drop_pending", replica=i, reason=reason)
+
+    def note_failure(self, replica: int, detail: str) -> None:
+        """A generation died: a CUDA error in its cause drops the copy (`core.holder.drop_reason`)."""
+        why = held.drop_reason(death_cause=detail)
+        if why is not None:
+            self.drop_holder(replica, why)
+
+    async def settle_holders(self) -> None:
+        """Each turn: restart a holder whose copy must go (a pending drop, or stale) once no live
+        engine maps it (the holder knows their pids: it refuses to retire while one lives)."""
+        for i, h in list(self.holders.items()):
+            stale = h.last is not None and h.last.state == "stale"
+            reason = self.pending_drop.get(i) or (f"stale: {h.last.stale}" if stale and h.last else "")
+            now = time.monotonic()
+            if not reason or now - self._settle_tried.get(i, 0.0) < SETTLE_EVERY_S:
+                continue
+            self._settle_tried[i] = now
+            if h.alive and not await h.retire():
+                continue
+            self.pending_drop.pop(i, None)
+            if self.holder_device() is None:
+                await h.stop()
+                self.holders.pop(i, None)
+            else:
+                await h.restart(reason)
+
+    async def stop_holders(self) -> None:
+        """The runtime's way out, after every generation: the holders' memory goes back."""
+        for i, h in list(self.holders.items()):
+            await h.stop()
+        self.holders.clear()
+
+    def holder_status(self, replica: int) -> HolderStatus | None:
+        h = self.holders.get(replica)
+        return h.status(self.pending_drop.get(replica, "")) if h is not None else None
+
+    async def went_live(self, gen: Generation) -> None:
+        reports = await asyncio.to_thread(plugin.read_states, self.state_dir, gen.number)
+        gen.note_weights(next((r.weights for r in reports.values() if r.weights is not None), None))
+        h = self.holders.get(gen.replica)
+        if h is not None:
+            await h.stat()  # a stale copy is restarted once nothing maps it (`settle_holders`)
+        if gen.weights is not None:
+            log.info("generation_weights", generation=gen.number, replica=gen.replica, source=gen.weights.source.value,
+                     why=gen.weights.reason or None, seconds=gen.weights.seconds,
+                     gib=round(gen.weights.bytes / 2**30, 2), given=gen.weights.given or None)
+
     async def spawn(self, replica: int, strategy: str | None, gated: bool, beside: bool,
                     standby: bool = False) -> Generation:
         """Launch a generation of `replica` (OSError: the interpreter cannot even be run); its
@@ -93,6 +200,7 @@ class Launcher:
         s, n = self.cfg.server, self.next_number()
         env = child_env(self.cfg, self.state_dir, n)
         env.update(self.plans[replica].env())
+        env.update(await self.holder_env(replica))
         gate = plugin.gate_dir(self.state_dir, n) if gated else None
         if gate is not None:
             env = plugin.gate_env(env, gate, STANDBY_PARK_S if standby else park_limit(s), self.prestage(n),

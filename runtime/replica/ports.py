@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from vllm_guard.core.ledger import EndClass
+from vllm_guard.core.protocol import HolderStatus
 
 from ..frontdoor.target import Target
 from .generation import Generation
@@ -27,6 +28,12 @@ class Spawner(Protocol):
     async def spawn(self, replica: int, strategy: str | None, gated: bool, beside: bool,
                     standby: bool = False) -> Generation:
         """Launch a generation of `replica` (OSError: the interpreter cannot even be run)."""
+
+    async def went_live(self, gen: Generation) -> None:
+        """It serves now: what its processes said about their start (where its weights came from)."""
+
+    def holder_status(self, replica: int) -> HolderStatus | None:
+        """The replica's weight holder, if it has one."""
 
 
 class Door(Protocol):

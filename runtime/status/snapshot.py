@@ -68,7 +68,7 @@ def snapshot(x: StatusInputs) -> StatusSnapshot:
     in_progress = next((r for d in x.drivers if (r := x.books.recycle_of(d.index)) is not None), None)
     reachable = first is not None and COARSE[first.state] in _REACHABLE
     return StatusSnapshot(
-        schema="vllm-guard-status/4",
+        schema="vllm-guard-status/5",
         state=x.state,
         state_for_s=round(x.state_for_s, 1),
         generation=x.generation,
@@ -124,6 +124,9 @@ def replica_status(d: ReplicaDriver, books: RuntimeBooks) -> ReplicaStatus:
         standby=standby_status(nxt) if nxt is not None and nxt.standby else None,
         start_phases=[StartPhase(phase=p, s=t) for p, t in gen.start_phases()] if gen is not None else [],
         config=gen.config or None if gen is not None else None,
+        weights_source=gen.weights.source if gen is not None and gen.weights is not None else None,
+        weights_note=gen.weights.reason if gen is not None and gen.weights is not None else "",
+        holder=d.holder_status(),
     )
 
 
