@@ -108,8 +108,10 @@ def ledger_rows(state: Path, sql: str) -> list[dict[str, Any]]:
 
 def start_phases(state: Path) -> list[dict[str, Any]]:
     """Each generation's start, phase by phase (the ledger's `generations.start_phases`)."""
-    rows = ledger_rows(state, "SELECT generation, replica, start_phases FROM generations ORDER BY id")
-    return [{"generation": r["generation"], "replica": r["replica"],
+    rows = ledger_rows(state, "SELECT generation, replica, start_phases, weights_source, weights_note FROM generations "
+                              "ORDER BY id")
+    return [{"generation": r["generation"], "replica": r["replica"], "weights": r["weights_source"],
+             "weights_note": r["weights_note"],
              "phases": json.loads(r["start_phases"]) if r["start_phases"] else None} for r in rows]
 
 
@@ -215,7 +217,8 @@ def run_scenario(name: str, a: argparse.Namespace, root: Path) -> dict[str, Any]
         state.mkdir(parents=True, exist_ok=True)
         cfg = state / "guard.toml"
         recycle = "" if a.overrun is None else f"[recycle]\nmax_requests_overrun = {a.overrun}\n"
-        cfg.write_text(f"[inject]\ngpu_memory_budget_gib = {sc.get('budget', 0)}\n"
+        inject = "".join(f"{kv.strip()}\n" for kv in a.inject.split(",") if kv.strip())
+        cfg.write_text(f"[inject]\ngpu_memory_budget_gib = {sc.get('budget', 0)}\n{inject}"
                        f"[watchdog]\nprometheus_port = 0\n[server]\nmetrics_port = 0\n{recycle}")
         args = [*GUARD, "serve", "--config", str(cfg), "--model", a.model, "--port", str(port), "--state-dir",
                 str(state), "--probe-timeout", "120s", "--startup-timeout", f"{a.start_timeout:.0f}s"]
@@ -304,6 +307,8 @@ def main() -> int:
                    help="where each scenario's state dir goes (default: a new temporary directory)")
     p.add_argument("--overrun", type=float, default=None,
                    help="[recycle] max_requests_overrun for the guarded scenarios (default: the config's, 0.5)")
+    p.add_argument("--inject", default="", help="more [inject] keys for the guarded scenarios, e.g. "
+                   "'device_leak_mb_per_request = 10' (comma-separated)")
     p.add_argument("--standby", choices=["auto", "off"], default=None,
                    help="[server] standby for the guarded scenarios (default: the config's, auto)")
     p.add_argument("--serve-args", default="", help="more `vllm-guard serve` flags for the guarded scenarios, one string")
