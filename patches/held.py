@@ -77,8 +77,11 @@ class HolderClient:
             pass
 
 
-def eligible(loader: Any, model_config: Any) -> str:
+def eligible(loader: Any, model_config: Any, vllm_config: Any = None) -> str:
     """'' when this load may use the holder, else why not."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is not None and (pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1):
+        return "tensor or pipeline parallel (one holder per replica keeps one GPU's tensors)"
     if getattr(model_config, "quantization", None):
         return f"quantized weights ({model_config.quantization}) are processed after loading"
     fmt = str(getattr(loader.load_config, "load_format", "auto"))
@@ -286,7 +289,7 @@ class HeldWeights:
         import torch
 
         t0 = time.monotonic()
-        why = eligible(loader, model_config)
+        why = eligible(loader, model_config, vllm_config)
         if why:
             self._say(contract.WeightsReport(source=contract.Source.DISK, reason=f"not held: {why}"))
             return orig(loader, vllm_config, model_config, prefix, **kw)

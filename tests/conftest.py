@@ -35,7 +35,7 @@ CHILD_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_P
 LONGEST_FIRST = ["test_strategies_real.py", "test_failures.py", "test_recycle.py", "test_strategies.py",
                  "test_faults_guard.py", "test_resume_real.py", "test_lifecycle.py", "test_reload.py",
                  "test_patches_server.py", "test_fleet_haproxy.py", "test_soak_real.py", "test_watchdog_e2e.py",
-                 "test_watchdog_replicas.py", "test_cancel_leak.py", "test_triggers.py", "test_typecheck.py",
+                 "test_watchdog_replicas.py", "test_held_weights.py", "test_cancel_leak.py", "test_triggers.py", "test_typecheck.py",
                  "test_patches_unit.py", "test_gate_unit.py", "test_patches_plain.py", "test_watchdog_probe_key.py"]
 
 
