@@ -143,13 +143,18 @@ def _set(modules: dict[str, Any], name: str, tensor: Any, kind: str, like: Any =
 
 
 def give(client: HolderClient, model: Any, key: str, generation: int | None) -> tuple[int, int]:
-    """Hand the freshly loaded tensors to the holder and use its copy from now on; (tensors, bytes)."""
+    """Hand the freshly loaded tensors to the holder and use its copy from now on; (tensors, bytes).
+
+    A chunk at a time, holding no reference to a tensor once the holder's copy replaced it: the
+    engine's own copy is freed chunk by chunk, so the peak is one chunk above the weights."""
     import torch
 
     modules = dict(model.named_modules(remove_duplicate=False))
     canonical: dict[int, str] = {}
     aliases: dict[str, str] = {}
-    todo: list[tuple[str, Any, str]] = []
+    todo: list[contract.TensorSpec] = []
+    sizes: list[int] = []
+    t = None
     for name, t, kind in _named(model):
         ident = id(t)
         if ident in canonical:
@@ -158,49 +163,53 @@ def give(client: HolderClient, model: Any, key: str, generation: int | None) -> 
         canonical[ident] = name
         if t.device.type == "meta" or not t.is_contiguous():
             raise RuntimeError(f"{name} is {'on meta' if t.device.type == 'meta' else 'not contiguous'}")
-        todo.append((name, t, kind))
+        todo.append(contract.TensorSpec(name=name, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                                        kind=kind))  # type: ignore[arg-type]
+        sizes.append(t.numel() * t.element_size())
+    del t
     placed: dict[str, Any] = {}
-    chunk: list[tuple[str, Any, str]] = []
-    total = count = 0
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 
-    def flush(first: bool) -> None:
-        specs = tuple(contract.TensorSpec(name=n, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-                                          kind=k) for n, t, k in chunk)  # type: ignore[arg-type]
+    def own(name: str) -> Any:
+        mod_name, _, leaf = name.rpartition(".")
+        m = modules[mod_name]
+        return m._parameters[leaf] if leaf in m._parameters else m._buffers[leaf]
+
+    def flush(chunk: list[contract.TensorSpec], first: bool) -> None:
         reply, payload = client.ask(contract.HolderRequest(op=contract.Op.ALLOC, key=key, generation=generation,
-                                                           specs=specs, append=not first, pid=os.getpid()))
+                                                           specs=tuple(chunk), append=not first, pid=os.getpid()))
         if not reply.ok or payload is None:
             raise RuntimeError(f"the holder could not allocate: {reply.error}")
         held = payload["tensors"]
-        for n, t, k in chunk:
-            h = held[n]
-            h.copy_(t)
-            placed[n] = _set(modules, n, h, k, like=t)
-        chunk.clear()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for spec in chunk:
+            mine = own(spec.name)
+            held[spec.name].copy_(mine)
+            placed[spec.name] = _set(modules, spec.name, held[spec.name], spec.kind, like=mine)
+            del mine
+        held.clear()
+        if cuda:
             torch.cuda.synchronize()
             gc.collect()
             torch.cuda.empty_cache()
 
+    chunk: list[contract.TensorSpec] = []
     first, size = True, 0
-    for item in todo:
-        chunk.append(item)
-        nbytes = item[1].numel() * item[1].element_size()
+    for spec, nbytes in zip(todo, sizes):
+        chunk.append(spec)
         size += nbytes
-        total += nbytes
-        count += 1
         if size >= CHUNK_BYTES:
-            flush(first)
-            first, size = False, 0
+            flush(chunk, first)
+            chunk, first, size = [], False, 0
     if chunk or first:
-        flush(first)
+        flush(chunk, first)
     for alias, name in aliases.items():
-        kind = "param" if isinstance(placed[name], torch.nn.Parameter) else "buffer"
         mod_name, _, leaf = alias.rpartition(".")
-        (modules[mod_name]._parameters if kind == "param" else modules[mod_name]._buffers)[leaf] = placed[name]
+        store = modules[mod_name]._parameters if isinstance(placed[name], torch.nn.Parameter) else modules[mod_name]._buffers
+        store[leaf] = placed[name]
     reply, _ = client.ask(contract.HolderRequest(op=contract.Op.SEAL, key=key, aliases=aliases))
     if not reply.ok:
         raise RuntimeError(f"the holder did not seal: {reply.error}")
-    return count, total
+    return len(todo), sum(sizes)
 
 
 def build(vllm_config: Any, model_config: Any, prefix: str, target: Any, payload: dict[str, Any]) -> Any:
