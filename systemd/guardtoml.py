@@ -96,6 +96,9 @@ HELP: dict[str, dict[str, str]] = {
         "prestage_weights": "on: a generation parked at its gate first reads the model's weights into page-locked "
                             "RAM, so vLLM's start after the gate copies them from there (costs their size in RAM "
                             "per parked generation, and parks it later); off: none",
+        "hold_weights": "auto: on where there is a GPU; on: a holder process per replica keeps the model's weights "
+                        "resident and every generation after the first maps them instead of reading the checkpoint "
+                        "(a recycle still frees everything else); off: every start reads the checkpoint",
         "warm_start": "on: a generation parked at its gate first imports the modules the last one imported after "
                       "its gate (recorded in the state dir), freezes its heap for the garbage collector and does not "
                       "send vLLM's usage report again; off: vLLM's start as it is",

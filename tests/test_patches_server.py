@@ -159,7 +159,7 @@ class TestAudited:
             assert r["vllm_version"] == st["vllm_version"]
             assert set(r["patches"]) == {"kv-block-audit", "idle-release", "allocator-settings", "fault-injection",
                                          "add-request-abort", "block-ids-drain", "startup-gate", "prestaged-weights",
-                                         "triton-ptxas", "attn-isa"}
+                                         "triton-ptxas", "attn-isa", "held-weights"}
             for p in r["patches"].values():
                 assert p["state"] in ("applied", "skipped", "failed") and p["reason"]
         by_role = {r["process"]: r["patches"] for r in live.values()}
