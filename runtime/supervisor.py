@@ -221,6 +221,8 @@ class Supervisor:
         self.launcher = launcher = Launcher(self.cfg, self.model, self.python, self.state_dir, self.ledger, plans,
                                             self.next_number, self.config_hash)
         launcher.gpu_box = bool(static)
+        totals = [g["mem_total_mb"] for g in static if g.get("mem_total_mb")]
+        launcher.gpu_total_mb = min(totals) if totals else None
         self.books.on_failure = launcher.note_failure
         self.drivers = [ReplicaDriver(p, launcher, self.proxy, self.books, kit, self,
                                       request_timeout=self.cfg.server.request_timeout) for p in plans]

@@ -197,3 +197,16 @@ def test_the_key_changes_with_what_decides_the_tensors(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"x" * 8)
     fp = contract.files_fingerprint(tmp_path)
     assert fp and fp[0][0] == "model.safetensors" and fp[0][1] == 8
+
+
+def test_auto_holds_only_where_vllms_start_check_leaves_room_for_the_weights(tmp_path: Path) -> None:
+    from vllm_guard.runtime.replica.plan import holder_room
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * (8 + 2 * 2**20))  # a header-less 2 MiB file
+    model = str(tmp_path)
+    assert holder_room(["--gpu-memory-utilization", "0.16"], model, 81_559.0) is None
+    why = holder_room([], model, 81_559.0)  # vLLM's default 0.9 leaves 8 GiB: room for 2 MiB + context
+    assert why is None
+    why = holder_room(["--gpu-memory-utilization", "0.99"], model, 81_559.0)
+    assert why is not None and "start check" in why, why
+    assert holder_room([], model, None) is not None  # no NVML total: no holder by default

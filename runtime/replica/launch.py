@@ -26,7 +26,7 @@ from ..child.handover import HandedGeneration, live_procs
 from ..child.holder import HolderProcess
 from ..frontdoor.target import Target
 from .generation import Generation
-from .plan import ReplicaPlan
+from .plan import ReplicaPlan, holder_room
 from .ports import Ledger
 from .triggers import generation_limit
 
@@ -63,6 +63,8 @@ class Launcher:
         self.adoptable: dict[int, HandedGeneration] = {}  # per replica: what a previous runtime handed over
         self.adopt_mark: Path | None = None  # created once adopted: the previous runtime's keeper lets go
         self.gpu_box = False  # NVML sees a GPU: `[server] hold_weights = "auto"` holds on the GPU
+        self.gpu_total_mb: float | None = None  # the smallest GPU's total (NVML)
+        self._holder_off = ""  # why auto keeps no holder, once logged
         self.holders: dict[int, HolderProcess] = {}  # per replica: the weight holder (`core.holder`)
         self.pending_drop: dict[int, str] = {}  # per replica: why its copy goes once nothing maps it
         self._settle_tried: dict[int, float] = {}
@@ -98,6 +100,13 @@ class Launcher:
         mode = self.cfg.server.hold_weights
         if mode == "off":
             return None
+        if self.gpu_box and mode == "auto":
+            why = holder_room(self.cfg.server.vllm_args, self.model, self.gpu_total_mb)
+            if why is not None:
+                if why != self._holder_off:
+                    log.info("holder_off", why=why)
+                    self._holder_off = why
+                return None
         if self.gpu_box:
             return "cuda"
         return "cpu" if mode == "on" else None

@@ -73,6 +73,24 @@ def gpu_utilization(vllm_args: Sequence[str]) -> float:
         return DEFAULT_GPU_UTILIZATION
 
 
+HOLDER_CONTEXT_MB = 1024.0  # the holder's CUDA context and slack
+
+
+def holder_room(vllm_args: Sequence[str], model: str, gpu_total_mb: float | None) -> str | None:
+    """Why `hold_weights = "auto"` keeps no holder on this GPU, or None: vLLM's start check wants
+    `--gpu-memory-utilization` x total free, and the held weights are another process's memory,
+    so what the utilization leaves must hold them (vLLM's default 0.9 leaves too little)."""
+    weights = weights_bytes(model) / 2**20
+    if gpu_total_mb is None or weights <= 0:
+        return "the GPU's total memory or the model's size is unknown"
+    util = gpu_utilization(vllm_args)
+    if (1 - util) * gpu_total_mb < weights + HOLDER_CONTEXT_MB:
+        return (f"--gpu-memory-utilization {util:g} leaves {(1 - util) * gpu_total_mb / 1024:.1f} GiB of "
+                f"{gpu_total_mb / 1024:.1f} GiB: vLLM's start check would fail beside the held weights "
+                f"({weights / 1024:.1f} GiB); lower it (with --kv-cache-memory-bytes) or set hold_weights = \"on\"")
+    return None
+
+
 def prestage_mb(cfg: GuardConfig, model: str) -> float:
     """Host RAM (MiB) a parked generation's prestaged weights hold: the model's safetensors, when
     `[server] prestage_weights = "on"` and vLLM would load them in its engine; else 0."""
