@@ -13,25 +13,14 @@ import sqlite3
 import time
 from typing import Any, Iterator
 
-import httpx
 import psutil
 import pytest
 
 from conftest import GuardServer
+from test_prestage_real import token_ids  # the same greedy completion, its generation
 from vllm_guard.core import plugin as contract
 
 pytestmark = [pytest.mark.slow]
-
-PROMPT = "alpha beta gamma delta river stone cloud light"
-
-
-def token_ids(s: GuardServer) -> tuple[list[int], str]:
-    r = httpx.post(s.url + "/v1/completions", timeout=300, json={
-        "model": s.model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True})
-    assert r.status_code == 200, r.text
-    return list(r.json()["choices"][0]["token_ids"]), r.headers.get("x-vllm-guard-generation", "")
-
 
 def replica(st: dict[str, Any]) -> dict[str, Any]:
     return st["replicas"][0]
