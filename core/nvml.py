@@ -121,6 +121,9 @@ class NvmlSession:
         )) or (None, None)
         info["sm_clock_max_mhz"] = self._field(uuid, "sm_clock_max", lambda: self._call(
             nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_SM))
+        # the card's size decides before any sample whether a weight holder fits beside vLLM
+        mem = self._field(uuid, "memory", lambda: self._call(nv.nvmlDeviceGetMemoryInfo, h))
+        info["mem_total_mb"] = round(mem.total / MIB, 1) if mem is not None else None
         return info
 
     def _register_xid(self) -> Any:

@@ -523,6 +523,24 @@ def test_nvml_call_timeout_is_a_state_not_a_hang() -> None:
     s.close()
 
 
+def test_the_cards_total_memory_is_known_before_any_sample() -> None:
+    """The runtime decides whether a weight holder fits beside vLLM (`hold_weights = "auto"`) from
+    the static record, before it has sampled anything: a total missing there kept every GPU box
+    without a holder."""
+    mem = SimpleNamespace(total=81_559 * 2**20, used=512 * 2**20, free=81_047 * 2**20)
+    nv = SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1,
+                         nvmlDeviceGetHandleByIndex=lambda i: f"h{i}", nvmlDeviceGetUUID=lambda h: "GPU-0",
+                         nvmlDeviceGetName=lambda h: "NVIDIA H100 80GB HBM3", nvmlDeviceGetMemoryInfo=lambda h: mem,
+                         nvmlSystemGetDriverVersion=lambda: "580.159.04", nvmlSystemGetCudaDriverVersion_v2=lambda: 13000,
+                         nvmlDeviceGetPciInfo=lambda h: SimpleNamespace(busId="00000000:01:00.0"))
+    s = NvmlSession(nvml=nv)
+    try:
+        assert s.available and s.static[0]["mem_total_mb"] == 81_559.0
+        assert s.sample()["gpus"][0]["mem_total_mb"] == 81_559.0
+    finally:
+        s.close()
+
+
 class NVMLError_LibraryNotFound(Exception):  # noqa: N801 - pynvml's naming
     pass
 

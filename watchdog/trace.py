@@ -22,7 +22,8 @@ from pydantic import ValidationError
 from vllm_guard.core.nvml import SCHEMA
 from vllm_guard.core.samples import NvmlRecord
 
-STATIC_KEYS = ("index", "uuid", "name", "pci_bus_id", "temp_slowdown_c", "temp_shutdown_c", "sm_clock_max_mhz")
+STATIC_KEYS = ("index", "uuid", "name", "pci_bus_id", "temp_slowdown_c", "temp_shutdown_c", "sm_clock_max_mhz",
+               "mem_total_mb")
 
 
 class TraceError(ValueError):

@@ -56,6 +56,7 @@ def test_every_claimed_field_is_read(sampler: NvmlSession) -> None:
         if cap["sm_clock"] and cap["sm_clock_max"]:
             assert 0 < g["sm_clock_mhz"] <= g["sm_clock_max_mhz"]
         assert g["uuid"].startswith("GPU-")
+    assert all(s["mem_total_mb"] and s["mem_total_mb"] > 1024 for s in sampler.static)  # hold_weights = "auto"
 
 
 def test_per_process_memory_of_a_real_cuda_process(sampler: NvmlSession) -> None:
