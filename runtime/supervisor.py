@@ -96,7 +96,8 @@ class Supervisor:
         self.ledger = ledger if ledger is not None else RuntimeLedger(self.state_dir)
         self.books = RuntimeBooks(self.ledger, cfg.server.failure_window)
         self.last_number = self.ledger.first_generation - 1  # numbers continue across runtimes
-        self.proxy = Proxy(cfg.server, on_limit=self._on_limit, on_error=self._on_error)
+        self.proxy = Proxy(cfg.server, on_limit=self._on_limit, on_error=self._on_error,
+                           on_drained=self._on_drained)
         self.notifier = Notifier()
         self.holdfile = HoldFile(self.state_dir)
         self.hold: str | None = self.holdfile.read()  # decide holds the replicas on their first look
@@ -385,6 +386,7 @@ class Supervisor:
         if st is not self._agg[0]:
             self._agg = (st, time.monotonic())
         self.send_status()
+        self.wake()  # the new state decides at once (a drain with nothing in flight stops now)
 
     def ready(self) -> None:
         if not self.notifier.ready_sent:
@@ -435,6 +437,9 @@ class Supervisor:
     # -- callbacks from the proxy and the monitors ---------------------------------------------
     def _on_limit(self, target: Target) -> None:
         self.wake()
+
+    def _on_drained(self, target: Target) -> None:
+        self.wake()  # a draining generation stops at once, not up to a tick later
 
     def _on_error(self, target: Target) -> None:
         self.proxy.router.failed(target)  # the retry goes to another replica for a moment

@@ -188,6 +188,23 @@ def test_the_limit_closes_a_target_unless_it_may_go_past_it() -> None:
     assert r.pick(True, 1.0) is not None and a.accepting
 
 
+def test_the_last_request_of_a_closed_target_ends_its_drain_at_once() -> None:
+    """The supervisor is woken when a draining generation's last request ends (a gated recycle's
+    drain is time without service; waiting for the next loop turn added up to 0.25 s)."""
+    drained: list[int] = []
+    r = Router(on_limit=lambda t: None, on_drained=lambda t: drained.append(t.generation))
+    a = tgt(1)
+    r.add(a)
+    picks = [r.pick(True, 1.0) for _ in range(2)]
+    assert all(p is not None for p in picks)
+    r.release(a)
+    assert drained == []  # still accepting: nothing drains
+    r.stop(a, dead=False)
+    assert drained == []  # one request still runs
+    r.release(a)
+    assert drained == [1] and a.in_flight == 0
+
+
 def test_backlog_requests_do_not_count_toward_the_new_generations_limit() -> None:
     r = Router(on_limit=lambda t: None)
     a = tgt(1, limit=1)

@@ -73,11 +73,12 @@ LIVENESS_STALE_S = 30.0
 
 
 class Proxy:
-    def __init__(self, cfg: ServerConfig, on_limit: Callable[[Target], None], on_error: Callable[[Target], None]):
+    def __init__(self, cfg: ServerConfig, on_limit: Callable[[Target], None], on_error: Callable[[Target], None],
+                 on_drained: Callable[[Target], None] | None = None):
         self.cfg = cfg
         self.on_limit = on_limit
         self.on_error = on_error
-        self.router = Router(on_limit)  # which target takes a request (runtime/frontdoor/router.py)
+        self.router = Router(on_limit, on_drained)  # which target takes a request (runtime/frontdoor/router.py)
         self.policy = RetryPolicy.of(cfg)  # what happens when a try fails (runtime/frontdoor/policy.py)
         self.counters = Counters()  # outcomes derived from the RequestDone records (`_done`)
         self.admission = Admission(Limits.of(cfg, os.environ))  # vLLM's keys: its args, else the runtime's env

@@ -88,8 +88,12 @@ def choose(routes: Sequence[Route], now: float) -> Route | None:
 
 
 class Router:
-    def __init__(self, on_limit: Callable[[Target], None]) -> None:
+    def __init__(self, on_limit: Callable[[Target], None],
+                 on_drained: Callable[[Target], None] | None = None) -> None:
         self.on_limit = on_limit
+        # a closed target's last request ended: its drain is over now, not at the next loop turn
+        # (a gated recycle's drain is time without a serving generation)
+        self.on_drained = on_drained
         self.routes: list[Route] = []
         # False while held: no recycle can follow, so a generation never stops at its limit
         self.enforce_limit = True
@@ -169,3 +173,5 @@ class Router:
     def release(self, target: Target) -> None:
         """A request to `target` ended (whatever its outcome)."""
         target.released()
+        if target.in_flight == 0 and not target.accepting and self.on_drained is not None:
+            self.on_drained(target)
