@@ -96,8 +96,9 @@ class Supervisor:
         self.ledger = ledger if ledger is not None else RuntimeLedger(self.state_dir)
         self.books = RuntimeBooks(self.ledger, cfg.server.failure_window)
         self.last_number = self.ledger.first_generation - 1  # numbers continue across runtimes
+        # a draining generation's last request ended: it stops now, not up to a loop turn later
         self.proxy = Proxy(cfg.server, on_limit=self._on_limit, on_error=self._on_error,
-                           on_drained=self._on_drained)
+                           on_drained=lambda _target: self.wake())
         self.notifier = Notifier()
         self.holdfile = HoldFile(self.state_dir)
         self.hold: str | None = self.holdfile.read()  # decide holds the replicas on their first look
@@ -437,9 +438,6 @@ class Supervisor:
     # -- callbacks from the proxy and the monitors ---------------------------------------------
     def _on_limit(self, target: Target) -> None:
         self.wake()
-
-    def _on_drained(self, target: Target) -> None:
-        self.wake()  # a draining generation stops at once, not up to a tick later
 
     def _on_error(self, target: Target) -> None:
         self.proxy.router.failed(target)  # the retry goes to another replica for a moment
