@@ -96,7 +96,8 @@ HELP: dict[str, dict[str, str]] = {
         "prestage_weights": "on: a generation parked at its gate first reads the model's weights into page-locked "
                             "RAM, so vLLM's start after the gate copies them from there (costs their size in RAM "
                             "per parked generation, and parks it later); off: none",
-        "hold_weights": "auto: on where there is a GPU; on: a holder process per replica keeps the model's weights "
+        "hold_weights": "auto: on where there is a GPU and (1 - --gpu-memory-utilization) x its memory holds the "
+                        "weights + 1 GiB (vLLM's start check); on: a holder process per replica keeps the model's weights "
                         "resident and every generation after the first maps them instead of reading the checkpoint "
                         "(a recycle still frees everything else); off: every start reads the checkpoint",
         "warm_start": "on: a generation parked at its gate first imports the modules the last one imported after "
