@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from vllm_guard.runtime.child.anatomy import Anatomy
 
 LOG = """\
@@ -67,3 +69,23 @@ def test_lines_the_tail_has_not_read_when_the_generation_is_ready_are_noted_at_t
     assert a.at["engine_up"] == 6.0 and a.at["api_up"] == 9.0  # seen before: unchanged; new: at the answer
     catch_up(a, tmp_path / "gone.log", answered=10.0)  # no log: nothing changes
     assert a.at["api_up"] == 9.0
+
+
+def test_a_health_wait_under_way_ends_once_the_engine_is_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait between two /health polls began at the slow pace; vLLM logs its engine up in the
+    middle of it: the wait ends within a fast step, not at the end of the slow one (made an hour
+    here, so that only the phase can end it)."""
+    import asyncio
+
+    from vllm_guard.runtime.replica import monitors
+    monkeypatch.setattr(monitors, "HEALTH_EVERY_S", 3600.0)
+    a = Anatomy(spawned=0.0)
+
+    async def main() -> None:
+        waiting = asyncio.create_task(monitors.until_health_due(a))
+        await asyncio.sleep(2 * monitors.HEALTH_SOON_S)
+        assert not waiting.done()  # still at the slow pace: nothing logged yet
+        a.feed(LOG.splitlines(keepends=True)[5], 7.0)  # "init engine ... took"
+        await asyncio.wait_for(waiting, timeout=60)  # an hour otherwise
+
+    asyncio.run(main())

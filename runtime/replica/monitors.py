@@ -74,7 +74,7 @@ async def wait_ready(gen: Generation, http: aiohttp.ClientSession, cfg: ProbeCon
                 wake()
                 return
             log.info("ready_probe_failed", generation=b.generation, error=res.error)
-        await asyncio.sleep(health_every_s(gen.anatomy))
+        await until_health_due(gen.anatomy)
 
 
 HEALTH_EVERY_S = 1.0  # while vLLM loads: its /health cannot answer yet
@@ -88,6 +88,17 @@ def health_every_s(anatomy: Anatomy | None) -> float:
     if anatomy is not None and ("engine_up" in anatomy.at or "api_up" in anatomy.at):
         return HEALTH_SOON_S
     return HEALTH_EVERY_S
+
+
+async def until_health_due(anatomy: Anatomy | None) -> None:
+    """Wait until /health should be asked again. A one-second wait that began just before vLLM
+    logged its engine up would be slept out whole (the health phase took up to 0.7 s of a gated
+    recycle's gap on the H100): look at the start's phases every HEALTH_SOON_S meanwhile."""
+    end = time.monotonic() + health_every_s(anatomy)
+    while (left := end - time.monotonic()) > 0:
+        await asyncio.sleep(min(HEALTH_SOON_S, left))
+        if health_every_s(anatomy) == HEALTH_SOON_S:
+            return
 
 
 # -- the probe --------------------------------------------------------------------------------
