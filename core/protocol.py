@@ -132,7 +132,8 @@ class RequestCounters(_Model):
     rejected_by: dict[RejectReason, int] = Field(default_factory=dict)
     failed_by: dict[FailReason, int] = Field(default_factory=dict)
     resumed: int = 0  # streams that went on at another generation after their backend died (once each)
-    resumes: int = 0  # continuations sent (a stream resumed twice counts two)
+    resumes: int = 0  # continuations sent (a stream resumed twice counts two), hand-overs included
+    handed_over: int = 0  # streams an overlap's switch moved on to the new generation (no failure; once each)
     unresumable: int = 0  # streams cut by a dead backend that could not go on (part of failed)
     in_flight: int = 0
     queued: int = 0

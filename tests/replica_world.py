@@ -127,6 +127,7 @@ class World:
         self.starts: dict[int, StartHistory] = {}
         self.standby_failures: dict[int, int] = {}
         self.routes: dict[int, Target] = {}  # generation -> target routed to
+        self.handed_over: list[int] = []  # generations whose streams went on at the next one
         self.past_limit: set[int] = set()
         self.leaving: set[int] = set()
         self.queued = 0
@@ -173,8 +174,10 @@ class World:
     async def add_target(self, target: Target, replica: int = 0) -> None:
         self.routes[target.generation] = target
 
-    async def stop_dispatch(self, target: Target, dead: bool = False) -> None:
+    async def stop_dispatch(self, target: Target, dead: bool = False, hand_over: bool = False) -> None:
         self.routes.pop(target.generation, None)
+        if hand_over:
+            self.handed_over.append(target.generation)
 
     async def allow_past_limit(self, target: Target, allowed: bool = True) -> None:
         (self.past_limit.add if allowed else self.past_limit.discard)(target.generation)

@@ -68,6 +68,7 @@ def test_overlap_switches_with_no_gap_and_the_old_one_retires_behind(tmp_path: P
         assert w.drivers[0].state is S.OVERLAP_STARTING and 1 in w.routes and 1 in w.past_limit
         await w.run_until(lambda: w.drivers[0].current.number == 2)
         assert w.drivers[0].state is S.SERVING and set(w.routes) == {2}  # the switch: never a moment with none
+        assert w.handed_over == [1]  # its streams go on at generation 2: one generation computes
         assert [g.number for g in w.drivers[0].retiring] == [1]
         await w.run_until(lambda: not w.drivers[0].retiring)
         assert w.gen(1).ended and w.gen(1).backend.signals == [signal.SIGTERM]
@@ -130,6 +131,7 @@ def test_gated_parks_then_opens_the_gate_only_once_the_old_one_is_gone(tmp_path:
         assert w.drivers[0].current.number == 2
         assert w.states()[-6:] == [S.GATED_PARKING, S.DRAINING, S.STOPPING, S.OPENING_GATE, S.PAST_GATE, S.SERVING]
         assert len(w.room_unwatched) == 1  # and no longer once its gate opened
+        assert w.handed_over == []  # no generation was live to take the old one's streams: they finished there
 
     w = run(tmp_path, scenario, cfg())
     (rec,) = rows(w, "SELECT strategy, ready_at FROM recycles")

@@ -291,6 +291,41 @@ def test_a_stream_whose_backend_dies_is_the_stream_it_would_have_been(
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_stream_handed_over_at_a_switch_goes_on_at_the_new_generation_blaming_none(
+        tmp_path: Path, tiny_model: str, tok: Tokenizer, chat: bool) -> None:
+    """An overlap's switch: generation 2 is live and generation 1 hands its followed streams
+    over (`stop_dispatch(hand_over=True)`) instead of computing beside it. Generation 1 is
+    mid-stream and would go on (stalled here, so that the switch surely falls mid-stream): the
+    stream is cut, goes on at generation 2 from its last token and is the stream it would have
+    been; nobody is blamed and nothing failed."""
+    body = request(chat, stop=["STOP"])
+    want = reference(tmp_path, tiny_model, tok, {**body, "return_token_ids": True}, chat)
+    got_: list[Got] = []
+
+    async def scenario(rig: Rig) -> None:
+        asking = asyncio.get_running_loop().create_task(rig.ask(body, chat))
+        while not rig.gens[0].dead:  # it sent CLEAN ids and waits, its connection open
+            await asyncio.sleep(0.01)
+        one = rig.targets[0]
+        assert len(one.followed) == 1
+        await rig.serve(1)
+        await rig.proxy.stop_dispatch(one, hand_over=True)
+        got_.append(await asyncio.wait_for(asking, 60))
+        p = rig.proxy.counters
+        assert p.failed_requests == 0 and p.completed == 1, vars(p)
+        assert (p.handed_over, p.resumes, p.resumed) == (1, 1, 0), vars(p)  # moved on, not revived
+        assert rig.errors == [] and not one.dead  # handed over, not failed: the supervisor hears nothing
+        assert not one.followed and one.in_flight == 0
+        c = rig.gens[1].seen[-1].body  # the continuation: the prompt and what generation 1 made
+        assert c["prompt"][len(prompt_ids(tok, chat)):] == want.ids[:CLEAN]
+
+    run(tmp_path, tiny_model, tok, [Death(CLEAN, "stall"), None], scenario, [1], chat)
+    got = got_[0]
+    assert got.status == 200 and got.dones == 1 and not got.errors, (got.errors, got.raw[-400:])
+    assert got.text == want.text and (got.finish_reason, got.stop_reason) == (want.finish_reason, want.stop_reason)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("how,after", [("drop", 0), ("error", 0), ("drop", 20), ("error", 20)])
 def test_a_request_that_is_not_streamed_is_run_again_whole(tmp_path: Path, tiny_model: str, tok: Tokenizer,
                                                            chat: bool, how: str, after: int) -> None:

@@ -90,6 +90,16 @@ TABLE: list[tuple[str, RetryPolicy, Try, dict[str, Any]]] = [
                                "no chunk of the stream had come")),
     ("resumption off: one error event", replace(P, resume_on=frozenset()), Try(F.DIED, sent=True, followed=True),
      dict(action=FAIL, cut=True, blame=True)),
+    # -- an overlap's switch: the old generation hands its followed streams to the new one --------
+    ("handed over at the switch: resumed, nobody blamed", P,
+     Try(F.HANDED, sent=True, followed=True, generation=1),
+     dict(action=RESUME, seam=True, never_again=True, blame=False, uncount=False)),
+    ("handed over past the move limit: resumed all the same (not a failure)", P,
+     Try(F.HANDED, sent=True, followed=True, moves=3), dict(action=RESUME, blame=False)),
+    ("handed over though it cannot go on: one error event naming why", P,
+     Try(F.HANDED, sent=True, followed=True, why_not="n > 1", generation=1),
+     dict(action=FAIL, cut=True, blame=False, cause=FailReason.UNRESUMABLE,
+          message="the backend failed mid-stream (generation 1) and it could not be resumed: n > 1")),
     # -- its continuation failed before its first byte: the continuation is sent again -----------
     ("continuation refused: sent again elsewhere", P, Try(F.REFUSED, sent=True, followed=True, moves=1),
      dict(action=RESUME, seam=False, never_again=True, blame=True, uncount=True)),
@@ -150,7 +160,9 @@ def test_every_situation_has_one_consistent_step(failure: Failure, sent: bool, f
     step = decide(P, Try(failure, sent=sent, followed=followed, moves=moves, generation=1, detail="x"))
     if step.action is Action.RETRY:
         assert not sent, "a request whose client has bytes is never sent again whole"
-    if step.action in (Action.RETRY, Action.RESUME):
+    if failure is Failure.HANDED:  # not a failure: it moves whatever its moves, blaming nobody
+        assert not step.blame and step.action is (Action.RESUME if followed else Action.FAIL)
+    elif step.action in (Action.RETRY, Action.RESUME):
         assert moves < P.num_retries and step.blame
         assert step.never_again == (failure in NEVER_AGAIN) and (step.hold_off_s == 0) == step.never_again
     if step.action is Action.FAIL:

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
 LIMIT = 30
 EVERY_S = 1.0  # one request a second, at most 4 at once: the successor's start is not starved
+LONG_TOKENS = 200  # a stream long enough to be in flight at the switch
 
 
 def settled(s: dict[str, Any]) -> bool:
@@ -43,11 +44,15 @@ def settled(s: dict[str, Any]) -> bool:
 
 
 class SteadyLoad:
-    """Open-loop streaming requests every EVERY_S (at most 4 in flight) until stopped."""
+    """Open-loop streaming requests every EVERY_S (at most 4 in flight) until stopped, and
+    `long` back-to-back streams of LONG_TOKENS beside them: one is in flight at any moment, so
+    at a switch there is a stream the old generation hands over."""
 
-    def __init__(self, srv: GuardServer) -> None:
+    def __init__(self, srv: GuardServer, long: int = 0) -> None:
         self.srv = srv
         self.results: list[StreamResult] = []
+        self.long: list[StreamResult] = []
+        self._longs = long
         self._stop = threading.Event()
         self._t = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
@@ -58,6 +63,11 @@ class SteadyLoad:
             async def one() -> None:
                 async with sem:
                     self.results.append(await stream_completion(client, self.srv.url, self.srv.model, MAX_TOKENS))
+
+            async def back_to_back() -> None:
+                while not self._stop.is_set():
+                    self.long.append(await stream_completion(client, self.srv.url, self.srv.model, LONG_TOKENS))
+            tasks += [asyncio.create_task(back_to_back()) for _ in range(self._longs)]
             while not self._stop.is_set():
                 tasks.append(asyncio.create_task(one()))
                 await asyncio.sleep(EVERY_S)
@@ -114,7 +124,7 @@ def srv(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[G
 
 @pytest.mark.timeout(2400)
 def test_overlap_at_the_request_limit_leaves_no_moment_without_a_generation(srv: GuardServer) -> None:
-    with SteadyLoad(srv) as load:
+    with SteadyLoad(srv, long=1) as load:
         srv.wait_for(lambda s: s["recycles"] >= 1 and settled(s), 1800, "the overlap recycle done")
         # the recycle may settle within a second of the switch: keep the load on until requests
         # sent well after it have been answered
@@ -144,6 +154,17 @@ def test_overlap_at_the_request_limit_leaves_no_moment_without_a_generation(srv:
     during = [r for r in load.results if begin < arrived.get(r.request_id, -1.0) < switched - 2.0]
     assert during and all(r.generation == old for r in during), "the old generation stopped answering early"
     assert {r.generation for r in load.results if r.started > switched + 1.0} == {str(rec["generation"] + 1)}
+    # at the switch the old generation handed its streams over instead of computing beside the
+    # new one: the long stream in flight went on there from its last token, whole
+    long = summarize(load.long, LONG_TOKENS)
+    assert long.total >= 2 and long.ok == long.total, long.errors[:5]
+    (handed,) = [e for e in ev if e.get("event") == "streams_handed_over"]
+    assert handed["generation"] == rec["generation"] and handed["streams"] >= 1, handed
+    moved = {e["request_id"] for e in ev if e.get("event") == "request_resuming"}
+    assert moved & {r.request_id for r in load.long}, "the long stream in flight was not handed over"
+    assert all("handed its streams over" in e["error"] for e in ev if e.get("event") == "request_resuming")
+    assert st["requests"]["handed_over"] == len(moved) and st["requests"]["resumed"] == 0
+    assert not [e for e in ev if e.get("event") == "request_failed"]
 
 
 @pytest.mark.timeout(2400)

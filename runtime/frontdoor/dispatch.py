@@ -103,7 +103,7 @@ class Dispatch:
                 if step.blame:
                     self.on_error(t)
                 if step.action in MOVES:
-                    self._move(step, course, f, t, tried.detail)
+                    self._move(step, course, f, t, tried.detail, tried.failure)
                     continue
                 return await self._end(step, course, f, t, tried.detail, tried.answer, tried.failure)
             finally:
@@ -121,13 +121,13 @@ class Dispatch:
         """What happened, as the policy reads it. Whether a followed stream can go on is asked
         only when the policy may resume it (the question may replay its detokenization)."""
         why_not = f.unresumable
-        if course.followed and failure in self.policy.resume_on:
+        if course.followed and (failure in self.policy.resume_on or failure is Failure.HANDED):
             assert course.stream is not None
             why_not = course.stream.resumable()
         return Try(failure, sent=course.resp is not None, followed=course.followed, why_not=why_not, moves=f.moves,
                    generation=t.generation if t is not None else None, detail=detail)
 
-    def _move(self, step: Step, course: Course, f: Flight, t: Target, detail: str) -> None:
+    def _move(self, step: Step, course: Course, f: Flight, t: Target, detail: str, failure: Failure) -> None:
         """RETRY or RESUME: on to another generation, avoiding this one as the step says."""
         now = time.monotonic()
         course.moving(now + self.policy.move_wait_s).failed_at(t, step.never_again, now + step.hold_off_s)
@@ -139,7 +139,9 @@ class Dispatch:
             self.counters.retried += 1
         if step.seam:
             assert course.stream is not None
-            if first_resume:
+            if failure is Failure.HANDED:
+                self.counters.handed_over += 1
+            elif first_resume:
                 self.counters.resumed += 1
             log.info("request_resuming", request_id=f.rid, generation=t.generation, move=f.moves,
                      generated=len(course.stream.gen), error=detail)

@@ -79,7 +79,8 @@ class Counters:
     failed_by: dict[FailReason, int] = field(default_factory=dict)
     retried: int = 0  # re-sent whole after a backend failed before answering (each time)
     resumed: int = 0  # streams that went on at another generation after their backend died (once each)
-    resumes: int = 0  # continuations sent
+    resumes: int = 0  # continuations sent (after a death or a hand-over)
+    handed_over: int = 0  # streams an overlap's switch moved on to the new generation (once each)
     unresumable: int = 0  # streams cut by a dead backend that could not go on (a subset of failed)
     not_forwarded: int = 0  # refused at the front door (not in the API, body, admission), counted or not
     connections_lost: int = 0  # requests whose client connection went away mid-request, counted or not

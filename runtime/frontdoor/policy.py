@@ -16,7 +16,9 @@ The failures (`Failure`), and the sets that name their kinds once:
   over for a moment). With nothing sent yet the request is sent again whole (`RETRY`); when its
   stream had already reached the client, the continuation is sent again (`RESUME`, no new seam);
 - mid-stream (`MID_STREAM`): the backend died under a stream that had reached the client, or the
-  stream ran past `per_try_timeout_s`. A stream the proxy follows goes on elsewhere (`RESUME`)
+  stream ran past `per_try_timeout_s`, or its generation handed it over at an overlap's switch
+  (`HANDED`: cut on purpose, so that one generation computes; it resumes whatever its moves
+  before, and blames nobody). A stream the proxy follows goes on elsewhere (`RESUME`)
   when the failure is in `resume_on` and the stream can be resumed; else, and for streams it only
   passes through, the client gets one error event and `[DONE]`;
 - a continuation that cannot be sent (`NO_ROOM`: no tokens left) or that the next generation
@@ -51,6 +53,7 @@ class Failure(str, enum.Enum):
     EMPTY = "empty"  # a stream that ended before its first event
     HTTP_5XX = "http_5xx"  # an HTTP 5xx from a live engine: a failure only when `retry_on` names it
     DIED = "died"  # the backend died under a stream that had reached the client
+    HANDED = "handed"  # its generation handed it to the next one at an overlap's switch (no failure)
     TIMEOUT = "timeout"  # a stream ran past per_try_timeout_s after it had reached the client
     NO_ROOM = "no_room"  # a continuation with no tokens left to generate
     DECLINED = "declined"  # the next generation answered a continuation with an error
@@ -61,10 +64,10 @@ class Failure(str, enum.Enum):
 
 
 BEFORE_ANSWER = frozenset({Failure.REFUSED, Failure.DROPPED, Failure.ENGINE_DEAD, Failure.EMPTY, Failure.HTTP_5XX})
-MID_STREAM = frozenset({Failure.DIED, Failure.TIMEOUT})
+MID_STREAM = frozenset({Failure.DIED, Failure.TIMEOUT, Failure.HANDED})
 CONTINUATION = frozenset({Failure.NO_ROOM, Failure.DECLINED})
 NO_TARGET = frozenset({Failure.UNAVAILABLE, Failure.QUEUE_FULL, Failure.QUEUE_TIMEOUT})
-NEVER_AGAIN = frozenset({Failure.REFUSED, Failure.ENGINE_DEAD, Failure.DIED})
+NEVER_AGAIN = frozenset({Failure.REFUSED, Failure.ENGINE_DEAD, Failure.DIED, Failure.HANDED})
 
 # what a request no generation took is counted as (held or shutting down is the operator's
 # choice: rejected; a full queue or its wait is the service failing it)
@@ -168,6 +171,12 @@ def decide(p: RetryPolicy, t: Try) -> Step:
                     cause=FailReason.BACKEND_ERROR,
                     message=f"the backend failed before answering, {t.moves + 1} times: {t.detail}",
                     reason=f"backend failed before answering: {t.detail}")
+    if f is Failure.HANDED:
+        # not a failure: the old generation cut the stream so that it goes on at the new one
+        # (only streams that could were cut); no blame, whatever the moves before
+        if t.followed and t.why_not is None:
+            return Step(Action.RESUME, never_again=True, seam=True)
+        return _cut(t, f"it could not be resumed: {t.why_not or 'not followed'}")
     if f in MID_STREAM:
         if not t.followed:
             return _broke(t)

@@ -218,8 +218,14 @@ class Proxy:
         self.router.add(target, replica)
         await self.queue.wake()
 
-    async def stop_dispatch(self, target: Target, dead: bool = False) -> None:
+    async def stop_dispatch(self, target: Target, dead: bool = False, hand_over: bool = False) -> None:
+        """No new requests to `target`; `hand_over`: its followed streams go on at the
+        generation now live (`Target.hand_over`)."""
         self.router.stop(target, dead)  # the supervisor decides from here on
+        if hand_over:
+            n = target.hand_over()
+            log.info("streams_handed_over", generation=target.generation, streams=n,
+                     left_to_finish=target.in_flight - n)
         await self.queue.wake()
 
     async def allow_past_limit(self, target: Target, allowed: bool = True) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import aiohttp
 
@@ -46,6 +47,9 @@ class Target:
     base: str = ""  # what request paths are appended to
     last_activity: float = field(default_factory=time.monotonic)
     first_dispatch: float | None = None  # monotonic: its first request (the end of its start's anatomy)
+    handing_over: bool = False  # its followed streams go on at the next generation (`hand_over`)
+    # the streams the proxy follows here now, each with what says why it cannot go on elsewhere
+    followed: dict[aiohttp.ClientResponse, Callable[[], str | None]] = field(default_factory=dict)
 
     @property
     def toward_limit(self) -> int:
@@ -112,6 +116,29 @@ class Target:
 
     def finished_one(self) -> None:
         self.completed += 1
+
+    def follows(self, up: aiohttp.ClientResponse, why_not: Callable[[], str | None] | None) -> None:
+        """A stream the proxy follows began here (`why_not`: its `Stream.resumable`) or ended
+        (None). One that begins once this generation handed over is cut at once."""
+        if why_not is None:
+            self.followed.pop(up, None)
+        elif self.handing_over and why_not() is None:
+            up.close()
+        else:
+            self.followed[up] = why_not
+
+    def hand_over(self) -> int:
+        """The next generation serves now: cut the streams followed here that can go on
+        elsewhere, so that they go on there from their last token (the proxy's resume) instead
+        of computing here beside it: two CUDA contexts computing at once slow each other's every
+        step. vLLM aborts what it generated for them; the rest finish here. Returns how many
+        were cut."""
+        self.handing_over = True
+        cut = [up for up, why_not in self.followed.items() if why_not() is None]
+        for up in cut:
+            self.followed.pop(up, None)
+            up.close()
+        return len(cut)
 
 
 @dataclass(eq=False)

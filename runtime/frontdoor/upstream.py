@@ -290,6 +290,7 @@ class Upstream:
         t = ticket.target
         split = sse.Splitter()
         chunk, broke = first, ""
+        t.follows(up, stream.resumable)
         try:
             while True:
                 events = split.feed(chunk) if chunk else []
@@ -317,6 +318,8 @@ class Upstream:
                     break
             if stream.dead or broke:
                 up.close()
+                if not stream.finished and broke and t.handing_over:
+                    return Broke(Failure.HANDED, f"generation {t.generation} handed its streams over at the switch")
                 if not stream.finished:
                     return Broke(Failure.DIED, broke or "vLLM's engine died (its error event)")
                 # it died after the last token: the client gets the rest from here
@@ -328,6 +331,8 @@ class Upstream:
         except CLIENT_GONE:
             up.close()
             return Broke(Failure.CLIENT_GONE, "the client left")
+        finally:
+            t.follows(up, None)
         count_tokens(stream, f)
         if stream.error is not None or not stream.finished:
             log.warning("request_failed", request_id=f.rid, generation=t.generation, error_event=stream.error,

@@ -200,7 +200,7 @@ class ReplicaDriver:
 
     async def _drain(self, e: Drain) -> Event | None:
         gen = self._find(e.generation)
-        await self.door.stop_dispatch(gen.target)
+        await self.door.stop_dispatch(gen.target, hand_over=e.hand_over)
         gen.cancel_tasks()
         gen.begin_drain(e.deadline, (e.reason, e.cls))
         return None

@@ -191,6 +191,7 @@ class Drain:
     deadline: float
     reason: str
     cls: EndClass
+    hand_over: bool = False  # its followed streams go on at the generation now live (an overlap's switch)
 
 
 @dataclass(frozen=True)

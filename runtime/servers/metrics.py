@@ -155,7 +155,10 @@ class RuntimeCollector(Collector):
                               ("resumed_requests", r.resumed,
                                "streams that went on at another generation after their backend died"),
                               ("resumes", r.resumes,
-                               "continuations sent for streams whose backend died (a stream may take several)"),
+                               "continuations sent for streams whose backend died or was handed over "
+                               "(a stream may take several)"),
+                              ("handed_over_requests", r.handed_over,
+                               "streams an overlap's switch moved on to the new generation (not a failure)"),
                               ("unresumable_requests", r.unresumable,
                                "streams cut by a dead backend that could not go on (part of the failed outcome)")):
             c = CounterMetricFamily(P + name, text)

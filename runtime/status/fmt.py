@@ -80,7 +80,7 @@ def format_status(s: StatusSnapshot) -> str:
                                     else "") + f", vLLM {s.vllm_version or '-'}, GPU {s.gpu_name or 'none'}",
         f"requests    {r.total} in all: {r.completed} completed, {r.rejected} rejected, {r.failed} failed, "
         f"{r.client_disconnects} client disconnects; {r.retried} retried, {r.resumed} resumed "
-        f"({r.resumes} continuations, {r.unresumable} could not)",
+        f"({r.resumes} continuations, {r.unresumable} could not), {r.handed_over} handed over at a switch",
         *([f"            rejected: {_by(r.rejected_by)}"] if r.rejected_by else []),
         *([f"            failed: {_by(r.failed_by)}"] if r.failed_by else []),
         f"            now {r.in_flight} in flight, {r.queued} queued; this generation {r.generation}{limit}{inherited}",

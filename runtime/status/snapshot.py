@@ -56,7 +56,7 @@ def snapshot(x: StatusInputs) -> StatusSnapshot:
     c, p = x.proxy.counters, x.proxy
     requests = RequestCounters(
         total=c.requests_total, completed=c.completed, failed=c.failed_requests, rejected=c.rejected,
-        retried=c.retried, resumed=c.resumed, resumes=c.resumes, unresumable=c.unresumable,
+        retried=c.retried, resumed=c.resumed, resumes=c.resumes, unresumable=c.unresumable, handed_over=c.handed_over,
         client_disconnects=c.client_disconnects, rejected_by=dict(c.rejected_by),
         failed_by=dict(c.failed_by), connections_lost=c.connections_lost, in_flight=p.in_flight,
         queued=p.queued, generation=t.dispatched if t else 0, generation_limit=t.limit if t else None,
