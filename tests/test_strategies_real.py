@@ -44,15 +44,18 @@ def settled(s: dict[str, Any]) -> bool:
 
 
 class SteadyLoad:
-    """Open-loop streaming requests every EVERY_S (at most 4 in flight) until stopped, and
-    `long` back-to-back streams of LONG_TOKENS beside them: one is in flight at any moment, so
-    at a switch there is a stream the old generation hands over."""
+    """Open-loop streaming requests every EVERY_S (at most 4 in flight) until stopped, and,
+    once `long_from` is set, `long` back-to-back streams of LONG_TOKENS beside them: one is in
+    flight at any moment from then, so at a switch there is a stream the old generation hands
+    over. (Set late: a serving engine decoding all the time starves the successor's start on
+    two cores.)"""
 
     def __init__(self, srv: GuardServer, long: int = 0) -> None:
         self.srv = srv
         self.results: list[StreamResult] = []
         self.long: list[StreamResult] = []
         self._longs = long
+        self.long_from = threading.Event()
         self._stop = threading.Event()
         self._t = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
@@ -65,6 +68,8 @@ class SteadyLoad:
                     self.results.append(await stream_completion(client, self.srv.url, self.srv.model, MAX_TOKENS))
 
             async def back_to_back() -> None:
+                while not self.long_from.is_set() and not self._stop.is_set():
+                    await asyncio.sleep(0.05)
                 while not self._stop.is_set():
                     self.long.append(await stream_completion(client, self.srv.url, self.srv.model, LONG_TOKENS))
             tasks += [asyncio.create_task(back_to_back()) for _ in range(self._longs)]
@@ -125,6 +130,13 @@ def srv(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[G
 @pytest.mark.timeout(2400)
 def test_overlap_at_the_request_limit_leaves_no_moment_without_a_generation(srv: GuardServer) -> None:
     with SteadyLoad(srv, long=1) as load:
+        # the long streams begin once the successor's engine is up: its API server, /health and
+        # the ready probe still come before the switch (seconds)
+        log = srv.state_dir / "logs" / "generation-2.log"
+        end = time.monotonic() + 1800
+        while time.monotonic() < end and not (log.exists() and "init engine" in log.read_text(errors="replace")):
+            time.sleep(0.1)
+        load.long_from.set()
         srv.wait_for(lambda s: s["recycles"] >= 1 and settled(s), 1800, "the overlap recycle done")
         # the recycle may settle within a second of the switch: keep the load on until requests
         # sent well after it have been answered
@@ -157,7 +169,7 @@ def test_overlap_at_the_request_limit_leaves_no_moment_without_a_generation(srv:
     # at the switch the old generation handed its streams over instead of computing beside the
     # new one: the long stream in flight went on there from its last token, whole
     long = summarize(load.long, LONG_TOKENS)
-    assert long.total >= 2 and long.ok == long.total, long.errors[:5]
+    assert long.total >= 1 and long.ok == long.total, long.errors[:5]
     (handed,) = [e for e in ev if e.get("event") == "streams_handed_over"]
     assert handed["generation"] == rec["generation"] and handed["streams"] >= 1, handed
     moved = {e["request_id"] for e in ev if e.get("event") == "request_resuming"}
