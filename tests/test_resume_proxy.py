@@ -315,7 +315,7 @@ def test_a_stream_handed_over_at_a_switch_goes_on_at_the_new_generation_blaming_
         assert p.failed_requests == 0 and p.completed == 1, vars(p)
         assert (p.handed_over, p.resumes, p.resumed) == (1, 1, 0), vars(p)  # moved on, not revived
         assert rig.errors == [] and not one.dead  # handed over, not failed: the supervisor hears nothing
-        assert not one.followed and one.in_flight == 0
+        assert not one.followed and not one.cut and one.in_flight == 0
         c = rig.gens[1].seen[-1].body  # the continuation: the prompt and what generation 1 made
         assert c["prompt"][len(prompt_ids(tok, chat)):] == want.ids[:CLEAN]
 

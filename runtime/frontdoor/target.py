@@ -50,6 +50,7 @@ class Target:
     handing_over: bool = False  # its followed streams go on at the next generation (`hand_over`)
     # the streams the proxy follows here now, each with what says why it cannot go on elsewhere
     followed: dict[aiohttp.ClientResponse, Callable[[], str | None]] = field(default_factory=dict)
+    cut: set[aiohttp.ClientResponse] = field(default_factory=set)  # the streams `hand_over` cut (until they end)
 
     @property
     def toward_limit(self) -> int:
@@ -122,7 +123,9 @@ class Target:
         (None). One that begins once this generation handed over is cut at once."""
         if why_not is None:
             self.followed.pop(up, None)
+            self.cut.discard(up)
         elif self.handing_over and why_not() is None:
+            self.cut.add(up)
             up.close()
         else:
             self.followed[up] = why_not
@@ -137,6 +140,7 @@ class Target:
         cut = [up for up, why_not in self.followed.items() if why_not() is None]
         for up in cut:
             self.followed.pop(up, None)
+            self.cut.add(up)
             up.close()
         return len(cut)
 

@@ -318,7 +318,7 @@ class Upstream:
                     break
             if stream.dead or broke:
                 up.close()
-                if not stream.finished and broke and t.handing_over:
+                if not stream.finished and up in t.cut:  # cut by the hand-over (one it left dies as one)
                     return Broke(Failure.HANDED, f"generation {t.generation} handed its streams over at the switch")
                 if not stream.finished:
                     return Broke(Failure.DIED, broke or "vLLM's engine died (its error event)")
