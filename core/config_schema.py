@@ -133,6 +133,12 @@ class ServerConfig(Section, frozen=True):
     # memory) and every generation after the first maps them instead of reading the checkpoint; a
     # recycle still frees everything else a generation allocated. auto: on where the replica has a GPU
     hold_weights: Literal["auto", "on", "off"] = "auto"
+    # auto: with a holder on a GPU, the KV cache's buffers are held too, shared by the generations
+    # that never compute at once (a gated successor, the standby, a cold start); a gated one then
+    # starts whole beside the serving generation and parks ready (needs GPU room for its own
+    # activations and graphs). on: on the host as well (vLLM-CPU; nothing gained there but the
+    # same path). off: every generation allocates its own KV cache after its gate
+    hold_kv_cache: Literal["auto", "on", "off"] = "auto"
     # on: a generation that parks at its startup gate first imports the modules the last generation
     # imported after its gate (recorded in the state dir) and freezes its heap for the collector;
     # it does not send vLLM's usage report again. Costs nothing after the gate; off: vLLM as it is

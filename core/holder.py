@@ -8,9 +8,16 @@ instead of reading the checkpoint; on a miss it loads from disk as vLLM would, t
 freshly loaded tensors to the holder (the holder allocates, the engine copies, the engine then
 uses the holder's copy and frees its own), so the next generation maps them.
 
-A generation still dies whole: its KV cache, activations, graphs and anything it leaked are its
-own allocations and go with it. Only the weights, which a recycle never needed to give back,
-stay.
+A generation still dies whole: its activations, graphs and anything it leaked are its own
+allocations and go with it. Only the weights, which a recycle never needed to give back, stay;
+and, where the runtime asks for it (`KV_VAR`), the KV cache's raw buffers: the same bytes for each
+generation that never computes beside another one mapping them (a gated successor, a standby, a
+cold start), so a gated successor can capture its CUDA graphs (which bake in the KV cache's
+addresses) while the old generation still serves, and park ready (`core.plugin.GATE_AT_VAR`).
+The KV cache holds no state a generation needs from its predecessor: its block pool starts empty
+and every block is written before it is read. vLLM's dummy runs (profiling, warm-up, capture)
+write no KV (their slot mapping is -1, verified in 0.25.1 and 0.32.0), so a parked engine that
+maps it leaves the serving one's blocks alone.
 
 Wire: `multiprocessing.connection` on a Unix socket in the replica's state dir, with an authkey.
 Control messages are JSON (`HolderRequest` -> `HolderReply`), typed and versioned here, so the
@@ -53,6 +60,7 @@ class Op(str, enum.Enum):
     STAT = "stat"  # the state, nothing else
     RETIRE = "retire"  # the runtime restarts it: refuse everything from now on, unless an engine maps the copy
     ADOPT = "adopt"  # a new runtime (`owner` pid) takes over an orphaned holder (a hand-over)
+    KV = "kv"  # the KV cache buffers of `sizes` under `key`: allocated (zeroed) on the first ask, the same bytes after
 
 
 class TensorSpec(_Model):
@@ -73,6 +81,7 @@ class HolderRequest(_Model):
     specs: tuple[TensorSpec, ...] = ()
     append: bool = False  # ALLOC: more tensors for the copy being filled (an engine hands it over in chunks)
     aliases: dict[str, str] = Field(default_factory=dict)  # tied names -> the canonical name (ALLOC)
+    sizes: tuple[int, ...] = ()  # KV: the byte size of each raw KV cache buffer the engine allocates
 
 
 class HolderState(_Model):
@@ -92,6 +101,9 @@ class HolderState(_Model):
     filled_by: int | None = None  # the generation that loaded it from disk
     stale: str = ""  # why it is stale
     mappers: list[int] = Field(default_factory=list)  # live engine pids that map its tensors
+    kv_key: str = ""  # the held KV cache's key ('' : none held)
+    kv_bytes: int = 0
+    kv_mappers: list[int] = Field(default_factory=list)  # live engine pids that map the held KV cache
 
 
 class HolderReply(_Model):
@@ -101,6 +113,12 @@ class HolderReply(_Model):
     error: str = ""
     state: HolderState
     tensors_follow: bool = False  # a pickled {name: tensor} message comes next on the connection
+
+
+def kv_key(weights_key_: str, sizes: Sequence[int], fields: Mapping[str, Any]) -> str:
+    """The held KV cache's key: the model's, the buffer sizes and what shapes them (block size,
+    dtype, layers): another key is another KV cache."""
+    return weights_key({"weights": weights_key_, "sizes": list(sizes), **dict(fields)})
 
 
 def read(model: type[Any], raw: bytes) -> Any:

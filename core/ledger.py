@@ -104,7 +104,10 @@ CREATE TABLE IF NOT EXISTS generations (
     config_changed TEXT,
     -- where its weights came from: held (mapped from the replica's holder) or disk, with why
     weights_source TEXT,
-    weights_note TEXT
+    weights_note TEXT,
+    -- where its KV cache came from: held (the holder's, shared by generations that never compute at once) or own
+    kv_source TEXT,
+    kv_note TEXT
 );
 CREATE TABLE IF NOT EXISTS recycles (
     id INTEGER PRIMARY KEY,
@@ -292,7 +295,9 @@ _MIGRATIONS: dict[str, dict[str, str]] = {
                     # first generation of a replica after a reload, the keys that reload changed (JSON list)
                     "config_hash": "TEXT", "config_changed": "TEXT",
                     # where its weights came from (`[server] hold_weights`)
-                    "weights_source": "TEXT", "weights_note": "TEXT"},
+                    "weights_source": "TEXT", "weights_note": "TEXT",
+                    # where its KV cache came from (`[server] hold_kv_cache`)
+                    "kv_source": "TEXT", "kv_note": "TEXT"},
     "recycles": {"strategy": "TEXT", "replica": "INTEGER NOT NULL DEFAULT 0"},
     # schema 3: the watchdog watches every replica (NULL: a box-wide row, as every older row is)
     "samples": {"replica": "INTEGER"},

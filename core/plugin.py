@@ -52,6 +52,11 @@ WARM_VAR = "VLLM_GUARD_WARM"
 # vLLM's own switch for its usage report: a gated generation (a recycle of a running deployment)
 # does not send it again, and its thread does not run in the gap (set only where not already set)
 USAGE_STATS_VAR = "VLLM_NO_USAGE_STATS"
+GATE_AT_VAR = "VLLM_GUARD_GATE_AT"  # "ready": park once ready (held KV cache), not before CUDA
+GATE_AT_READY = "ready"
+KV_VAR = "VLLM_GUARD_KV"  # "held": map the replica holder's KV cache (`core.holder`); else its own
+KV_HELD = "held"
+KV_OWN = "own"
 GATE_STATE = "state.json"
 GATE_OPEN = "open"
 
@@ -206,11 +211,14 @@ def gate_dir(state_dir: str | Path, generation: int) -> Path:
 
 
 def gate_env(env: Mapping[str, str], gate: Path, timeout_s: float, prestage: str | None = None,
-             warm: bool = False) -> dict[str, str]:
+             warm: bool = False, at_ready: bool = False) -> dict[str, str]:
     """The env of a generation that must park at `gate` (at most `timeout_s` seconds); with
     `prestage` (a model dir), its engine reads that model's weights into host memory first; with
-    `warm`, its processes import what an earlier generation imported after its gate."""
+    `warm`, its processes import what an earlier generation imported after its gate; with
+    `at_ready`, it parks once ready on the held KV cache (before CUDA when it has none held)."""
     out = {**env, GATE_VAR: str(gate), GATE_TIMEOUT_VAR: f"{timeout_s:.0f}"}
+    if at_ready:
+        out[GATE_AT_VAR] = GATE_AT_READY
     if prestage:
         out[PRESTAGE_VAR] = prestage
     if warm:
@@ -235,6 +243,15 @@ def prestage_applies(vllm_args: Sequence[str]) -> str | None:
     return None
 
 
+def kv_hold_applies(vllm_args: Sequence[str]) -> str | None:
+    """Why a held KV cache cannot be shared with these vLLM args, or None: every generation must
+    size it the same, which only `--kv-cache-memory-bytes` guarantees (else vLLM sizes it from the
+    memory free at each start); one engine process per replica (no tensor or pipeline parallel)."""
+    if not arg_value(vllm_args, "--kv-cache-memory-bytes"):
+        return "no --kv-cache-memory-bytes: vLLM sizes the KV cache from the memory free at each start"
+    return prestage_applies(vllm_args)
+
+
 def read_gate(gate: Path) -> GateReport | None:
     """The engine's word at the gate; None until it has said anything (or if it is unreadable)."""
     try:
@@ -249,10 +266,25 @@ def gate_settled(report: GateReport | None) -> bool:
     return report is not None and report.state in ("opened", "skipped", "timed_out")
 
 
-def open_gate(gate: Path) -> None:
-    """Let the parked engine go on (idempotent)."""
+def open_gate(gate: Path, kv: str = "") -> None:
+    """Let the parked engine go on (idempotent); `kv` (held | own) is what its KV cache is to be,
+    for an engine that allocates it after the gate (written before the open mark appears)."""
     gate.mkdir(parents=True, exist_ok=True)
-    (gate / GATE_OPEN).touch()
+    tmp = gate / f".{GATE_OPEN}.{os.getpid()}"
+    tmp.write_text(f"kv={kv}\n" if kv else "")
+    os.replace(tmp, gate / GATE_OPEN)
+
+
+def gate_kv(gate: str | Path) -> str | None:
+    """The KV cache the runtime said at the opening of `gate`; None: not open, or nothing said."""
+    try:
+        text = (Path(gate) / GATE_OPEN).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("kv=") and line[3:] in (KV_HELD, KV_OWN):
+            return line[3:]
+    return None
 
 
 def gate_is_open(gate: Path) -> bool:

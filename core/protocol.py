@@ -249,6 +249,17 @@ class WeightsReport(_Model):
     give_error: str = ""
 
 
+class KvReport(_Model):
+    """What a generation's engine says about its KV cache (part of its `PatchProcessReport`):
+    mapped from the replica's holder (`held`), or allocated as vLLM does (`own`, with why)."""
+
+    source: Literal["held", "own"]
+    reason: str = ""
+    bytes: int = 0
+    buffers: int = 0
+    seconds: float = 0.0
+
+
 class PatchProcessReport(_Model):
     """What the plugin reports from one vLLM process (`patches/gen-N/<pid>.json`)."""
 
@@ -264,6 +275,7 @@ class PatchProcessReport(_Model):
     events: PatchEvents | None = None
     warm: WarmReport | None = None  # a gated generation's warm start in this process (`[server] warm_start`)
     weights: WeightsReport | None = None  # where its model's weights came from (`[server] hold_weights`)
+    kv: KvReport | None = None  # where its KV cache came from (held with the weights, or its own)
 
 
 class LedgerHealth(_Model):
@@ -280,6 +292,7 @@ class StandbyStatus(_Model):
     phase: Literal["starting", "parked", "opened"]  # booting to its gate, waiting there, going on
     rss_mb: float | None = None  # host memory of its processes
     gpu_mb: float | None = None  # GPU memory it holds (None: no NVML)
+    ready: bool = False  # late-gated: it parks ready on the held KV cache (its graphs captured), not before CUDA
 
 
 class StartPhase(_Model):
@@ -301,6 +314,8 @@ class HolderStatus(_Model):
     bytes: int = 0
     handed: int = 0  # generations that mapped this copy
     stale: str = ""  # why the copy is never handed out again (the holder restarts once nothing maps it)
+    kv_bytes: int = 0  # the KV cache it holds for the generations that share it (0: none)
+    kv_mappers: list[int] = Field(default_factory=list)  # live engine pids that map that KV cache
     drops: int = 0  # copies dropped (each a restart of the holder)
     last_drop: str = ""
     pending_drop: str = ""  # a drop waiting for the generations that map the copy to go
@@ -332,6 +347,8 @@ class ReplicaStatus(_Model):
     config: str | None = None  # the configuration hash its current generation was launched with
     weights_source: Source | None = None  # where its current generation's weights came from (held / disk)
     weights_note: str = ""  # why from disk, when it was
+    kv_source: Literal["held", "own"] | None = None  # its current generation's KV cache: the holder's, or its own
+    kv_note: str = ""  # why its own, when it asked for the held one
     holder: HolderStatus | None = None  # its weight holder (`[server] hold_weights`)
 
 
@@ -413,6 +430,7 @@ class GateReport(_Model):
     reason: str = ""
     vllm_version: str = "unknown"
     where: str = ""  # the vLLM function that loaded the plugin (EngineCore.__init__ expected)
+    stage: str = ""  # where in its start it parked: before CUDA, or ready on the held KV cache (late gate)
     waited_s: float | None = None
     prestage: PrestageReport | None = None  # only when the runtime asked for prestaged weights
     warm: WarmReport | None = None  # only when the runtime asked for a warm start

@@ -200,8 +200,22 @@ HELD_WEIGHTS = PatchDef(
     targets=(T_DEFAULT_LOADER, T_LOADER_LOAD, T_BASE_LOAD_MODEL, T_INIT_MODEL, T_PROCESS),
 )
 
+HELD_KV = PatchDef(
+    id="held-kv",
+    fixes="a gated successor cannot capture its CUDA graphs (2.8-3.0 s of a 7B's gated gap with vLLM's default "
+          "capture sizes) before the old generation is gone: the graphs bake in the KV cache's addresses, and "
+          "two KV caches do not fit where a recycle must be gated",
+    summary="only where the runtime asks (VLLM_GUARD_KV=held, a replica holder): the KV cache allocation "
+            "(0.25 GPUModelRunner._allocate_kv_cache_tensors, 0.32 allocate_kv_cache) takes the holder's raw "
+            "buffers (CUDA IPC), the same bytes for each generation that never computes beside another; a "
+            "late-gated engine (VLLM_GUARD_GATE_AT=ready) parks after EngineCore._initialize_kv_caches, or "
+            "before allocating its own; any error is its own allocation",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("engine_core", "worker"),
+    targets=(T_KV_METHOD,),
+)
+
 ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION, ADD_REQUEST_ABORT, BLOCK_IDS_DRAIN, STARTUP_GATE,
-       PRESTAGED_WEIGHTS, TRITON_PTXAS, ATTN_ISA, HELD_WEIGHTS)
+       PRESTAGED_WEIGHTS, TRITON_PTXAS, ATTN_ISA, HELD_WEIGHTS, HELD_KV)
 
 # Targets a role actually touches (a worker never sees the scheduler, and so on).
 ROLE_TARGETS: dict[tuple[str, str], tuple[Anchor, ...]] = {
@@ -211,6 +225,7 @@ ROLE_TARGETS: dict[tuple[str, str], tuple[Anchor, ...]] = {
     ("fault-injection", "engine_core"): (T_FREE_REQUEST, T_FREE_BLOCKS, T_ADD_REQUEST, T_COORD, T_BLOCK,
                                          T_INIT_DEVICE),
     ("fault-injection", "worker"): (T_INIT_DEVICE,),
+    ("held-kv", "worker"): (T_INIT_DEVICE,),  # the model runner's allocation: checked when it is wrapped
 }
 
 

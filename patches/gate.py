@@ -96,14 +96,16 @@ def refuse(gate: Path, reason: str, version: str) -> None:
     os._exit(EXIT_GATE)
 
 
-def park(gate: Path, limit_s: float, version: str, poll_s: float = POLL_S) -> float:
+def park(gate: Path, limit_s: float, version: str, poll_s: float = POLL_S, what: str = "before CUDA") -> float:
     """Wait until the runtime opens `gate`; returns the seconds waited. Exits the process when
-    the gate stays shut past `limit_s` or the parent (the API server) is gone."""
+    the gate stays shut past `limit_s` or the parent (the API server) is gone. `what`: where in
+    the start it parks (before CUDA; or, late-gated, ready on the held KV cache)."""
     parent = os.getppid()
     start = time.monotonic()
+    _NOTES["stage"] = what
     _say(gate, "parked", version)
-    log.warning("vllm-guard startup gate: EngineCore pid %d parked before CUDA at %s (up to %.0f s)",
-                os.getpid(), gate, limit_s)
+    log.warning("vllm-guard startup gate: EngineCore pid %d parked (%s) at %s (up to %.0f s)",
+                os.getpid(), what, gate, limit_s)
     while not contract.gate_is_open(gate):
         waited = time.monotonic() - start
         if waited > limit_s:

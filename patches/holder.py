@@ -11,6 +11,10 @@ sum of a strided sample of its bytes) and compares it with the one taken at SEAL
 wrote into the weights it mapped is caught here: the copy turns stale, and the next engine loads
 from disk.
 
+It also keeps a replica's KV cache buffers when an engine asks (KV): allocated once, the same
+bytes for every later engine with the same key (`core.holder` says when the runtime lets an
+engine share them).
+
 It follows its runtime: when the parent is gone it waits `LEASE_S` for a new runtime to ADOPT it
 (a hand-over), else exits. It never frees a copy: a stale one goes with the process, which the
 runtime restarts once no generation maps it.
@@ -69,21 +73,60 @@ class Holder:
         self.filled_by: int | None = None
         self.stale = ""
         self.mappers: dict[int, int | None] = {}  # engine pid -> its generation
+        self.kv_key = ""
+        self.kv_buffers: list[Any] = []  # the raw KV cache buffers (int8), kept for the holder's life
+        self.kv_mappers: dict[int, int | None] = {}
 
     def live_mappers(self) -> list[int]:
         self.mappers = {p: g for p, g in self.mappers.items() if _alive(p)}
         return sorted(self.mappers)
+
+    def live_kv_mappers(self) -> list[int]:
+        self.kv_mappers = {p: g for p, g in self.kv_mappers.items() if _alive(p)}
+        return sorted(self.kv_mappers)
 
     def snapshot(self) -> contract.HolderState:
         nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
         return contract.HolderState(pid=os.getpid(), device=self.device, state=self.state, key=self.key,  # type: ignore[arg-type]
                                     tensors=len(self.tensors), bytes=nbytes, sealed_at=self.sealed_at,
                                     handed=self.handed, filled_by=self.filled_by, stale=self.stale,
-                                    mappers=self.live_mappers())
+                                    mappers=self.live_mappers(), kv_key=self.kv_key,
+                                    kv_bytes=sum(int(b.numel()) for b in self.kv_buffers),
+                                    kv_mappers=self.live_kv_mappers())
+
+    def kv(self, req: contract.HolderRequest) -> list[Any]:
+        """The KV cache buffers for `req.key`: the held ones, or (none held yet) new zeroed ones.
+
+        Another key while one is held is refused: the held buffers cannot be given back while
+        a killed engine's mapping pins them (see the class), so a second set would double the
+        memory; the engine allocates its own, and the holder's restart (a model or argument
+        change drops the weights too) frees both."""
+        if self.state == "retiring":
+            raise RuntimeError("the holder is restarting")
+        if self.kv_buffers and req.key != self.kv_key:
+            raise RuntimeError("another KV cache is held (the cache's shape changed): the engine keeps its own")
+        if not self.kv_buffers:
+            if not req.sizes or any(n <= 0 for n in req.sizes):
+                raise RuntimeError(f"bad KV cache sizes {list(req.sizes)}")
+            torch = self.torch
+            bufs = []
+            for n in req.sizes:
+                b = torch.zeros(n, dtype=torch.int8, device=self.device)
+                if self.device == "cpu":
+                    b.share_memory_()
+                bufs.append(b)
+            self.kv_buffers, self.kv_key = bufs, req.key
+            log.warning("holder allocated the KV cache: %d buffers, %.2f GiB (%s)", len(bufs),
+                        sum(req.sizes) / 2**30, req.key)
+        elif [int(b.numel()) for b in self.kv_buffers] != list(req.sizes):
+            raise RuntimeError("the KV cache sizes differ from the held ones under the same key")
+        if req.pid is not None:
+            self.kv_mappers[req.pid] = req.generation
+        return self.kv_buffers
 
     def retire(self) -> str:
         """'' and nothing handed out from now on, or why not yet (engines map the copy)."""
-        live = self.live_mappers()
+        live = sorted(set(self.live_mappers()) | set(self.live_kv_mappers()))
         if live:
             return f"engines map the copy: pids {live}"
         self.state = "retiring"
@@ -244,6 +287,14 @@ class Server:
                 self._reply(conn, True, follow=True)
                 conn.send({"tensors": {s.name: h.tensors[s.name] for s in req.specs}})
                 return True
+            elif req.op is contract.Op.KV:
+                try:
+                    bufs = h.kv(req)
+                except Exception as e:  # noqa: BLE001 - out of memory, another shape: the engine allocates its own
+                    self._reply(conn, False, error=f"{type(e).__name__}: {e}")
+                    return filling
+                self._reply(conn, True, follow=True)
+                conn.send({"kv": bufs})
             elif req.op is contract.Op.SEAL:
                 why = h.seal(req.key, req.aliases)
                 self._reply(conn, not why, error=why)

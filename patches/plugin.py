@@ -22,7 +22,7 @@ from vllm_guard.core.config import ConfigError, InjectConfig, PatchesConfig
 from vllm_guard.core.errors import ProtocolError
 from vllm_guard.core.protocol import PatchProcessReport, decode
 
-from . import defs, held, registry
+from . import defs, held, held_kv, registry
 from .report import Channel
 
 log = logging.getLogger("vllm.vllm_guard.patches")
@@ -53,6 +53,7 @@ def vllm_version(load: bool = True) -> str:
 
 ATTN_ISA_NOT_HANDED = "no attention ISA verdict from the runtime (a CUDA build, or vLLM started without it)"
 HELD_NOT_ASKED = "not asked (no weight holder for this replica)"
+HELD_KV_NOT_ASKED = "not asked (no VLLM_GUARD_KV=held, no late gate)"
 PRESTAGE_NOT_ASKED = "not asked (no VLLM_GUARD_PRESTAGE in a gated generation)"
 
 
@@ -76,6 +77,7 @@ class Plugin:
         self.parts: dict[str, Any] = {}  # patch id -> object with summary()
         self.warm: dict[str, Any] | None = None  # the `WarmReport` of a warm start before the gate
         self.weights: dict[str, Any] | None = None  # the `WeightsReport` of this process's model load
+        self.kv: dict[str, Any] | None = None  # the `KvReport` of this process's KV cache
 
     def apply_all(self) -> None:
         appliers: dict[str, Callable[[], str]] = {
@@ -83,7 +85,7 @@ class Plugin:
             "allocator-settings": self._allocator, "fault-injection": self._inject,
             "add-request-abort": self._add_request_abort, "block-ids-drain": self._block_ids_drain,
             "startup-gate": self._gate, "prestaged-weights": self._prestage, "triton-ptxas": self._ptxas,
-            "attn-isa": self._attn_isa, "held-weights": self._held,
+            "attn-isa": self._attn_isa, "held-weights": self._held, "held-kv": self._held_kv,
         }
         for defn in defs.ALL:
             self.states[defn.id] = self._apply_one(defn, appliers[defn.id])
@@ -97,6 +99,8 @@ class Plugin:
         if defn.id == "prestaged-weights" and not _prestage_asked():
             # before the live check: it would import vLLM's model loader into every EngineCore
             return {"state": "skipped", "reason": PRESTAGE_NOT_ASKED}
+        if defn.id == "held-kv" and not held_kv.asked() and not held_kv.late():
+            return {"state": "skipped", "reason": HELD_KV_NOT_ASKED}
         if defn.id == "held-weights" and held.requested() is None:
             # before the live check: it would import vLLM's model loader into every process
             return {"state": "skipped", "reason": HELD_NOT_ASKED}
@@ -237,6 +241,31 @@ class Plugin:
         self.parts["held-weights"] = patch
         return f"the default loader maps the weights held by {asked[0]} (or loads and hands them over)"
 
+    def _held_kv(self) -> str:
+        asked = held.requested()
+        if asked is None:
+            raise _Skip(HELD_NOT_ASKED)
+        patch = held_kv.HeldKv(asked[0], asked[1], self._kv_said, self._park_late)
+        shape = patch.install()
+        self.parts["held-kv"] = patch
+        return f"{shape} maps the KV cache held by {asked[0]}" + (
+            "; parks once ready (late gate)" if held_kv.late() else "")
+
+    def _kv_said(self, r: Any) -> None:
+        self.kv = r.model_dump(mode="json")
+        self.write()
+
+    def _park_late(self, where_said: str) -> None:
+        """A late-gated engine: park here ("ready", or before its own KV cache), or exit."""
+        from . import gate
+
+        where = gate.requested()
+        if where is None:
+            return
+        waited = gate.park(where, gate.timeout_s(), self.version, what=where_said)
+        self.states["startup-gate"] = {"state": "applied", "reason": f"parked {waited:.1f}s ({where_said}), then opened"}
+        self.write()
+
     def _weights_said(self, r: Any) -> None:
         self.weights = r.model_dump(mode="json")
         self.write()
@@ -304,6 +333,8 @@ class Plugin:
         st = self.states.get("startup-gate", {})
         if st.get("state") != "applied":
             gate.refuse(where, str(st.get("reason") or "the startup-gate patch did not apply"), self.version)
+        if held_kv.late() and self.states.get("held-kv", {}).get("state") == "applied":
+            return  # it parks once ready on the held KV cache, or before allocating its own (`held_kv`)
         model_dir = prestage.requested()
         if model_dir is not None:
             self.prestage_before_park(where, model_dir)
@@ -322,6 +353,7 @@ class Plugin:
             "inject": self.inject.active,
             **({"warm": self.warm} if self.warm is not None else {}),
             **({"weights": self.weights} if self.weights is not None else {}),
+            **({"kv": self.kv} if self.kv is not None else {}),
         }
 
     def write(self) -> None:

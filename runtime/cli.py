@@ -55,6 +55,9 @@ SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
     "hold_weights": ("server", "hold_weights", "on: each replica keeps the model's weights resident in a holder process "
                      "and later generations map them instead of reading the checkpoint; auto: on where there is "
                      "a GPU; off: every start reads the checkpoint (default auto)"),
+    "hold_kv_cache": ("server", "hold_kv_cache", "auto: with a holder on a GPU, the KV cache is held too and shared "
+                      "by generations that never compute at once, so a gated successor parks ready; on: on the "
+                      "host as well; off: each generation allocates its own (default auto)"),
     "warm_start": ("server", "warm_start", "on: a generation parked at its startup gate first imports what the last "
                    "one imported after its gate, so less is left after it (default on)"),
     "unready_lead": ("server", "unready_lead", "readiness says 503 this long before a cold or gated recycle stops the "

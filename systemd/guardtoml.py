@@ -100,6 +100,10 @@ HELP: dict[str, dict[str, str]] = {
                         "weights + 1 GiB (vLLM's start check); on: a holder process per replica keeps the model's weights "
                         "resident and every generation after the first maps them instead of reading the checkpoint "
                         "(a recycle still frees everything else); off: every start reads the checkpoint",
+        "hold_kv_cache": "auto: with a holder on a GPU, the KV cache's buffers are held too and shared by the "
+                         "generations that never compute at once, so a gated successor or the standby starts whole "
+                         "beside the serving generation and parks ready (a gated recycle is then the handshake, "
+                         "the API server's start and /health); off: each generation allocates its own after its gate",
         "warm_start": "on: a generation parked at its gate first imports the modules the last one imported after "
                       "its gate (recorded in the state dir), freezes its heap for the garbage collector and does not "
                       "send vLLM's usage report again; off: vLLM's start as it is",

@@ -136,6 +136,9 @@ class World:
         self.fit = MemoryFit(host_available_mb=20 * GIB, host_footprint_mb=3 * GIB, parked_mb=1.5 * GIB)
         self.reading_after_s = 0.0  # a serving generation's first memory reading comes this long after ready
         self.nvml = False
+        self.kv_holder = False  # the replica has a holder on a GPU: generations may map its KV cache
+        self.kv_mb = 6 * GIB
+        self.spawned: list[tuple[int, bool, str]] = []  # (generation, late, kv) as launched
         self.has_room = True
         self.room_watched: list[float] = []  # when a GPU-room watch started ...
         self.room_unwatched: list[float] = []  # ... and stopped
@@ -150,14 +153,19 @@ class World:
 
     # -- Spawner -----------------------------------------------------------------------------
     async def spawn(self, replica: int, strategy: str | None, gated: bool, beside: bool,
-                    standby: bool = False) -> Generation:
+                    standby: bool = False, late: bool = False, kv: str = "held") -> Generation:
         self.number += 1
         n = self.number
         b = SimBackend(n, self)
         row = self.ledger.generation_started(n, b.pid, None, "m", replica, strategy)
+        held = self.kv_holder  # as launch.Launcher: only with a holder on a GPU
         gen = Generation(n, b, Target(generation=n, url="http://127.0.0.1:1", limit=self._limit()), row,
                          replica=replica, strategy=strategy, gate=self.tmp / f"gate-{n}" if gated else None,
-                         spawned_mono=self.now, beside=beside, standby=standby)
+                         spawned_mono=self.now, beside=beside, standby=standby, kv=kv if held else "",
+                         late=late and gated and held)
+        if held and kv == "held" and not gated:
+            gen.kv_mb = self.kv_mb  # as its engine reports once its KV cache is mapped
+        self.spawned.append((n, gen.late, gen.kv))
         self.gens.append(SimGen(gen, self.plans.pop(0) if self.plans else Plan(), self.now))
         return gen
 
@@ -286,10 +294,16 @@ class World:
                 s.opened = self.now  # opened before it got there: it says `opened` at once and goes on
                 g.note_gate(GateReport(state="opened", pid=b.pid, at="now"))
             elif g.gate_report is None and age >= s.plan.park_s:
+                if g.late and g.kv == "held":
+                    g.kv_mb = self.kv_mb  # it mapped the held KV cache and captured its graphs first
                 g.note_gate(GateReport(state=s.plan.gate, pid=b.pid, at="now",
                                        reason="simulated: cannot park" if s.plan.gate == "skipped" else ""))
             elif s.opened is None and g.gate_report is not None and plugin.gate_is_open(g.gate):
                 s.opened = self.now
+                if g.kv and not g.late:
+                    g.kv = plugin.gate_kv(g.gate) or g.kv  # it allocates after the gate, as told there
+                if g.kv == "held":
+                    g.kv_mb = self.kv_mb
                 g.note_gate(GateReport(state="opened", pid=b.pid, at="now"))
             elif s.opened is not None and self.now - s.opened >= s.plan.after_gate_s:
                 g.note_ready(self.now)

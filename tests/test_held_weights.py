@@ -4,7 +4,9 @@ Generation 1 loads from disk and hands its tensors to the holder; a recycle's ge
 them (the same greedy tokens, nothing read from the checkpoint); `recycle --strategy cold` drops
 the copy (a fresh holder) and generation 3 loads from disk again and refills it. Status and the
 ledger say which source each start used; the holder's memory stays one copy; the holder is gone
-when the runtime is.
+when the runtime is. With `hold_kv_cache = "on"` (on the host only on request) the KV cache is
+held too: each generation's vLLM views the holder's buffer (the same bytes for generation 1 and
+2, which never compute at once) and still gives the same tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Iterator
 import psutil
 import pytest
 
-from conftest import GuardServer
+from conftest import VLLM_ARGS, GuardServer
 from test_prestage_real import token_ids  # the same greedy completion, its generation
 from vllm_guard.core import plugin as contract
 
@@ -34,8 +36,9 @@ def weights_rows(s: GuardServer) -> list[tuple[int, str | None, str | None]]:
 @pytest.fixture(scope="module")
 def srv(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
     s = GuardServer(tiny_model, tmp_path_factory.mktemp("held"),
-                    args=["--hold-weights", "on", "--recycle-strategy", "cold", "--standby", "off",
-                          "--probe-interval", "60s"])
+                    args=["--hold-weights", "on", "--hold-kv-cache", "on", "--recycle-strategy", "cold", "--standby", "off",
+                          "--probe-interval", "60s"],
+                    vllm_args=[*VLLM_ARGS, "--kv-cache-memory-bytes", "1G"])  # one size for every generation
     s.start()
     try:
         s.wait_serving(1)
@@ -50,6 +53,10 @@ def test_generations_map_the_held_copy_and_a_cold_recycle_drops_it(srv: GuardSer
                       120, "generation 1 from disk, its copy held")
     first = replica(st)["holder"]
     assert first["tensors"] > 0 and first["bytes"] > 0 and first["alive"] and first["drops"] == 0, first
+    st = srv.wait_for(lambda st: replica(st)["kv_source"] is not None, 60, "generation 1's KV cache reported")
+    assert replica(st)["kv_source"] == "held", replica(st)
+    kv_bytes = replica(st)["holder"]["kv_bytes"]
+    assert kv_bytes > 0 and replica(st)["holder"]["kv_mappers"], replica(st)["holder"]
     holder_pid = first["pid"]
     cold, _ = token_ids(srv)
 
@@ -68,6 +75,9 @@ def test_generations_map_the_held_copy_and_a_cold_recycle_drops_it(srv: GuardSer
     engine = [x for x in contract.read_states(srv.state_dir, 2).values() if x.weights is not None]
     assert engine and engine[0].weights.source.value == "held" and engine[0].weights.tensors == first["tensors"]
     assert engine[0].patches["held-weights"].state == "applied"
+    assert r["kv_source"] == "held" and r["holder"]["kv_bytes"] == kv_bytes, r  # the same KV cache, mapped again
+    assert engine[0].kv is not None and engine[0].kv.source == "held" and engine[0].kv.bytes == kv_bytes
+    assert engine[0].patches["held-kv"].state == "applied"
 
     # recycle --strategy cold: the copy is dropped (a fresh holder) and generation 3 refills it
     reply = srv.admin("recycle", "--strategy", "cold", "--reason", "held test cold")
@@ -85,6 +95,10 @@ def test_generations_map_the_held_copy_and_a_cold_recycle_drops_it(srv: GuardSer
 
     rows = weights_rows(srv)
     assert [(g, src) for g, src, _ in rows] == [(1, "disk"), (2, "held"), (3, "disk")], rows
+    assert r["kv_source"] == "held" and h["kv_bytes"] == kv_bytes, (r, h)  # a fresh holder, a fresh KV cache
+    with sqlite3.connect(srv.state_dir / "ledger.sqlite") as c:
+        kv_rows = list(c.execute("SELECT generation, kv_source FROM generations ORDER BY generation"))
+    assert kv_rows == [(1, "held"), (2, "held"), (3, "held")], kv_rows
 
     # the runtime's way out takes the holder with it
     new_pid = h["pid"]

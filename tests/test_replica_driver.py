@@ -13,6 +13,7 @@ from pathlib import Path
 
 from replica_world import GIB, Plan, World, run, tweak
 
+from vllm_guard.core import plugin as plugin_contract
 from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.ledger import EndClass
 from vllm_guard.runtime.replica.machine import State
@@ -572,6 +573,54 @@ def test_a_recycle_uses_the_parked_standby_instead_of_a_new_start(tmp_path: Path
         assert S.OPENING_GATE in w.states() and w.number in (2, 3)  # no start but the next standby
         (rec,) = list(w.books.recycles)
         assert rec.strategy == "gated" and "standby" in (rec.strategy_reason or "")
+
+    run(tmp_path, scenario, standby_cfg())
+
+
+KV_FIT = MemoryFit(host_available_mb=20 * GIB, host_footprint_mb=3 * GIB, parked_mb=1.5 * GIB, gpu_free_mb=3.5 * GIB,
+                   gpu_total_mb=24 * GIB, gpu_footprint_mb=1.3 * GIB, vllm_free_mb=60 * GIB, vllm_needs_mb=12 * GIB)
+
+
+def test_a_standby_on_the_held_kv_cache_parks_ready_and_a_recycle_and_a_crash_open_it_at_once(tmp_path: Path) -> None:
+    """With a holder on a GPU, generation 1 maps the held KV cache; its standby starts whole (late
+    gate: weights and KV cache mapped, graphs captured) and parks ready. A recycle drains and
+    stops the old one and opens the standby's gate without waiting for GPU room (it holds its
+    memory already), telling it the held KV cache; so does a crash. Only the part after the gate
+    is left (`after_gate_s`)."""
+    async def scenario(w: World) -> None:
+        w.nvml, w.kv_holder, w.fit, w.has_room = True, True, KV_FIT, False  # vLLM's start check never passes now
+        w.plans = [Plan(), Plan(park_s=5.0, after_gate_s=0.5), Plan(park_s=5.0, after_gate_s=0.5), Plan(park_s=5.0)]
+        await w.run_until(lambda: w.number >= 2 and w.gen(2).gate_report is not None)
+        assert w.spawned[:2] == [(1, False, "held"), (2, True, "held")], w.spawned
+        assert w.gen(2).gate_report.state == "parked" and set(w.routes) == {1}
+        d = await w.command(RecycleCmd("test"))
+        assert d.reply.accepted
+        t0 = w.now
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
+        assert w.now - t0 < 10, "the late gate waited for GPU room (memory_release_timeout is 60 s)"
+        assert plugin_contract.gate_kv(w.gen(2).gate) == "held"
+        (rec,) = list(w.books.recycles)
+        assert rec.strategy == "gated" and "standby" in (rec.strategy_reason or "")
+        await w.run_until(lambda: w.number >= 3 and w.gen(3).gate_report is not None)
+        assert w.spawned[2] == (3, True, "held")  # the next standby parks ready too
+        w.gen(2).backend.rc = 1  # a crash
+        crashed = w.now
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 3)
+        assert w.now - crashed < 10, "the crash's standby waited for GPU room"
+        assert plugin_contract.gate_kv(w.gen(3).gate) == "held"
+        assert w.books.failures.total == 1
+
+    run(tmp_path, scenario, standby_cfg())
+
+
+def test_without_a_held_kv_cache_the_standby_parks_before_cuda_as_ever(tmp_path: Path) -> None:
+    async def scenario(w: World) -> None:
+        w.nvml, w.fit = True, KV_FIT  # no holder on a GPU: nothing held
+        await w.run_until(lambda: w.number >= 2 and w.gen(2).gate_report is not None)
+        assert w.spawned[:2] == [(1, False, ""), (2, False, "")], w.spawned
+        await w.command(RecycleCmd("test"))
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
+        assert plugin_contract.gate_kv(w.gen(2).gate) is None, "a KV cache said to an engine that maps none"
 
     run(tmp_path, scenario, standby_cfg())
 

@@ -183,6 +183,7 @@ class HolderProcess:
         if s is None:
             return base
         return base.model_copy(update={"state": s.state, "tensors": s.tensors, "bytes": s.bytes,
-                                       "handed": s.handed, "stale": s.stale})
+                                       "handed": s.handed, "stale": s.stale, "kv_bytes": s.kv_bytes,
+                                       "kv_mappers": list(s.kv_mappers)})
 
 

@@ -65,6 +65,8 @@ class RuntimeBooks:
             self.ledger.generation_phases(gen.row, gen.start_phases())
             if gen.weights is not None:
                 self.ledger.generation_weights(gen.row, gen.weights.source.value, gen.weights.reason)
+            if gen.kv_report is not None:
+                self.ledger.generation_kv(gen.row, gen.kv_report.source, gen.kv_report.reason)
 
     def generation_ended(self, gen: Generation, leftover: tuple[int, ...]) -> None:
         reason, cls = gen.end_reason

@@ -369,6 +369,11 @@ class RuntimeLedger:
         self._put("UPDATE generations SET weights_source = ?, weights_note = ?, updated_at = ? WHERE id = ?",
                   (source, note, utcnow(), row), "generation weights")
 
+    def generation_kv(self, row: int, source: str, note: str) -> None:
+        """Where the generation's KV cache came from (held / own) and, its own, why."""
+        self._put("UPDATE generations SET kv_source = ?, kv_note = ?, updated_at = ? WHERE id = ?",
+                  (source, note, utcnow(), row), "generation kv")
+
     def generation_phases(self, row: int, phases: list[tuple[str, float]]) -> None:
         """Where the generation's start went (phase, seconds after spawn)."""
         self._put("UPDATE generations SET start_phases = ?, updated_at = ? WHERE id = ?",

@@ -43,9 +43,10 @@ from vllm_guard.core.ledger import EndClass, FailureKind
 from . import triggers
 from .machine import BOOTING_STATES, SERVING_STATES, State, Wanted
 from .steps import (
-    KILL_WAIT_S, Out, add_failure, begin_or_wait, begin_recycle, check_limit, drain_current, exit_words, fail,
-    gate_span, hand_over, kill_failed, need, never_parked, number_of, start_cold, start_failure, stop_span,
-    stopped_or_held, successor_failed, successor_lost, switch_over, unready_or_drain, wait_why, waiting_words,
+    KILL_WAIT_S, KV_HELD, KV_OWN, Out, add_failure, begin_or_wait, begin_recycle, check_limit, drain_current,
+    exit_words, fail, gate_span, hand_over, kill_failed, kv_taken, late_gate, need, never_parked, number_of,
+    park_within, set_aside, start_cold, start_failure, stop_span, stopped_or_held, successor_failed, successor_lost,
+    switch_over, unready_or_drain, wait_why, waiting_words,
 )
 from .orders import hold_cmd, recycle_cmd, release_cmd, restart_cmd, stop_cmd
 from .strategy import Strategy, gated_fits
@@ -163,8 +164,10 @@ def _serving(v: ReplicaView, now: float, out: Out) -> None:
             if t is not None:
                 begin_or_wait(v, now, out, t.reason, t.cls, None)
             elif _standby_wanted(v):
-                out.add(Spawn(Slot.SUCCESSOR, gated=True, strategy="standby", standby=True),
-                        log("standby_starting", replica=v.facts.index, generation=number_of(v.current)))
+                late, why = late_gate(v)
+                out.add(Spawn(Slot.SUCCESSOR, gated=True, strategy="standby", standby=True, late=late),
+                        log("standby_starting", replica=v.facts.index, generation=number_of(v.current),
+                            late=late, why=why))
                 out.to(S.STANDBY, now)
     elif st is S.STANDBY:
         _standby(v, now, out)
@@ -201,8 +204,8 @@ def _standby(v: ReplicaView, now: float, out: Out) -> None:
     if lost is None and nxt.gate == "skipped":
         out.add(LearnGate(nxt.gate_reason))
         lost = f"cannot park at the gate: {nxt.gate_reason}"
-    elif lost is None and nxt.gate is None and now - nxt.spawned_at > f.cfg.server.gate_timeout:
-        lost = f"did not reach its startup gate within {f.cfg.server.gate_timeout:.0f}s"
+    elif lost is None and nxt.gate is None and now - nxt.spawned_at > park_within(v, nxt):
+        lost = f"did not reach its startup gate within {park_within(v, nxt):.0f}s"
     if lost is not None:
         out.add(Abandon(f"standby {lost}"), LearnStandby(failed=True),
                 log("standby_lost", "warning", replica=f.index, generation=nxt.number, why=lost))
@@ -303,7 +306,7 @@ def _gated_parking(v: ReplicaView, now: float, out: Out) -> None:
         unready_or_drain(v, now, out, urgent=False)
     elif successor_lost(v, out, nxt, "before reaching its startup gate"):
         unready_or_drain(v, now, out, urgent=False)
-    elif now - _since(v, nxt) > cfg.server.gate_timeout:
+    elif now - _since(v, nxt) > park_within(v, nxt):
         successor_failed(v, out, never_parked(v, nxt))
         unready_or_drain(v, now, out, urgent=False)
     elif (why := _late(v, now)) is not None:
@@ -397,15 +400,26 @@ def _opening_gate(v: ReplicaView, now: float, out: Out) -> None:
         out.to(S.PAST_GATE, now, max(1.0, nxt.spawned_at + f.cfg.server.startup_timeout - now))
     elif nxt.gate == "parked":
         waited = v.machine.age(now)
-        if f.nvml and f.gpu_room is not True:
+        taken = kv_taken(v, nxt.number)
+        if taken is not None:  # two generations never compute on the held KV cache
+            if waited < f.cfg.server.memory_release_timeout:
+                return
+            out.add(log("held_kv_still_mapped", "error", replica=f.index, generation=nxt.number, by=taken,
+                        waited_s=round(waited, 1)))
+            if nxt.late:  # it mapped it already: it must not go on
+                set_aside(v, out, f"generation {taken} still maps the held KV cache")
+                start_cold(v, now, out, Strategy.COLD.value)
+                return
+        if not nxt.late and f.nvml and f.gpu_room is not True:  # a late one holds its memory already
             if waited < f.cfg.server.memory_release_timeout:
                 return
             out.add(log("gpu_memory_not_free_for_gate", "error", replica=f.index, generation=nxt.number,
                         waited_s=round(waited, 1)))
-        out.add(OpenGate(nxt.number), log("gate_opened", generation=nxt.number, replica=f.index,
-                                          after_stop_s=round(waited, 2)), Promote())
+        kv = KV_OWN if taken is not None else KV_HELD
+        out.add(OpenGate(nxt.number, kv=kv), log("gate_opened", generation=nxt.number, replica=f.index,
+                                                 after_stop_s=round(waited, 2), late=nxt.late or None), Promote())
         out.to(S.PAST_GATE, now, f.cfg.server.startup_timeout)
-    elif now - nxt.spawned_at > f.cfg.server.gate_timeout:
+    elif now - nxt.spawned_at > park_within(v, nxt):
         successor_failed(v, out, never_parked(v, nxt))
         start_cold(v, now, out, Strategy.COLD.value)
 

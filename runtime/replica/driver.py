@@ -147,7 +147,7 @@ class ReplicaDriver:
     async def _spawn(self, e: Spawn) -> Event | None:
         try:
             gen = await self.spawner.spawn(self.index, e.strategy, e.gated, beside=e.slot is Slot.SUCCESSOR,
-                                           standby=e.standby)
+                                           standby=e.standby, late=e.late, kv=e.kv)
         except OSError as err:
             return SpawnFailed(str(err))
         if e.slot is Slot.SUCCESSOR:
@@ -260,7 +260,10 @@ class ReplicaDriver:
     async def _open_gate(self, e: OpenGate) -> Event | None:
         gen = self._find(e.generation)
         if gen.gate is not None:
-            await asyncio.to_thread(plugin.open_gate, gen.gate)
+            kv = e.kv if gen.kv else ""  # only where the spawner let it map the held KV cache
+            await asyncio.to_thread(plugin.open_gate, gen.gate, kv)
+            if kv and not gen.late:
+                gen.kv = kv  # an early-gated engine allocates its KV cache after the gate, as told here
             gen.gate_open = True
             gen.mark("gate_opened", self.clock())
         return None

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_guard.core.ledger import EndClass
-from vllm_guard.core.protocol import ChildProcess, GateReport, MemoryStatus, PatchProcessReport, Role, WeightsReport
+from vllm_guard.core.protocol import ChildProcess, GateReport, KvReport, MemoryStatus, PatchProcessReport, Role, WeightsReport
 
 from ..child import death as deaths
 from ..child.anatomy import Anatomy
@@ -56,6 +56,10 @@ class Generation:
     held_mb: tuple[float, float | None] | None = None  # a standby's host RSS and GPU memory (MiB)
     death: deaths.Death | None = None  # why it exited on its own before it ever served (its log)
     weights: WeightsReport | None = None  # where its weights came from (its engine's report, at ready)
+    kv: str = ""  # held | own: the KV cache asked for at spawn (or at its gate), then as its engine reported
+    kv_mb: float = 0.0
+    kv_report: KvReport | None = None  # its engine's word on its KV cache
+    late: bool = False  # gated to park once ready on the held KV cache
     # its way out, as decided
     phase: GenPhase = GenPhase.BOOTING
     deadline: float | None = None
@@ -89,7 +93,9 @@ class Generation:
             limit=t.limit, idle_for=idle, growth=self.growth, to_limit_s=self.to_limit_s, fit=self.fit,
             deadline=self.deadline, kill_sent=self.kill_sent, stop_mark=self.stop_mark, gone=self.gone,
             gpu_free=self.gpu_free, alive=self.alive, end_reason=self.end_reason, death=self.death,
-            config=self.config)
+            config=self.config, kv=self.kv, kv_mb=self.kv_mb, late=self.late,
+            weights_mb=self.weights.bytes / 2**20 if self.weights is not None and
+            (self.weights.source.value == "held" or self.weights.given) else 0.0)
 
     # -- the monitors' notes -------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -134,8 +140,15 @@ class Generation:
 
     def note_tree(self, found: list[ChildProcess], dead: int | None, patches: dict[str, PatchProcessReport]) -> None:
         self.children, self.patches = found, patches
+        kv = next((r.kv for r in patches.values() if r.kv is not None), None)
+        if kv is not None:
+            self.note_kv(kv)
         if dead is not None and self.dead_engine is None:
             self.dead_engine = dead
+
+    def note_kv(self, report: KvReport) -> None:
+        """Where its KV cache came from, as its engine reported (held: what it maps of the holder's)."""
+        self.kv, self.kv_mb, self.kv_report = report.source, report.bytes / 2**20, report
 
     def note_weights(self, report: WeightsReport | None) -> None:
         """Where its weights came from, as its engine reported (at ready)."""

@@ -111,6 +111,16 @@ class Launcher:
             return "cuda"
         return "cpu" if mode == "on" else None
 
+    def kv_may_hold(self, replica: int) -> bool:
+        """Whether a generation of `replica` may map a held KV cache (`[server] hold_kv_cache`):
+        auto where its holder is on a GPU (on the host vLLM-CPU gains nothing from it), on with any."""
+        mode, h = self.cfg.server.hold_kv_cache, self.holders.get(replica)
+        if mode == "off" or h is None or h.device != self.holder_device():
+            return False
+        if plugin.kv_hold_applies(self.cfg.server.vllm_args) is not None:
+            return False
+        return mode == "on" or h.device == "cuda"
+
     async def holder_env(self, replica: int) -> dict[str, str]:
         """The holder's address for a new generation of `replica`, started if it is not running
         (without waiting: the engine looks for it only when it loads its weights)."""
@@ -191,6 +201,11 @@ class Launcher:
     async def went_live(self, gen: Generation) -> None:
         reports = await asyncio.to_thread(plugin.read_states, self.state_dir, gen.number)
         gen.note_weights(next((r.weights for r in reports.values() if r.weights is not None), None))
+        kv = next((r.kv for r in reports.values() if r.kv is not None), None)
+        if kv is not None:
+            gen.note_kv(kv)
+            log.info("generation_kv", generation=gen.number, replica=gen.replica, source=kv.source,
+                     why=kv.reason or None, gib=round(kv.bytes / 2**30, 2), seconds=kv.seconds)
         h = self.holders.get(gen.replica)
         if h is not None:
             await h.stat()  # a stale copy is restarted once nothing maps it (`settle_holders`)
@@ -200,7 +215,7 @@ class Launcher:
                      gib=round(gen.weights.bytes / 2**30, 2), given=gen.weights.given or None)
 
     async def spawn(self, replica: int, strategy: str | None, gated: bool, beside: bool,
-                    standby: bool = False) -> Generation:
+                    standby: bool = False, late: bool = False, kv: str = "held") -> Generation:
         """Launch a generation of `replica` (OSError: the interpreter cannot even be run); its
         first start takes over the generation a previous runtime handed over, if there is one."""
         handed = self.adoptable.pop(replica, None) if not (gated or beside or standby) else None
@@ -210,10 +225,14 @@ class Launcher:
         env = child_env(self.cfg, self.state_dir, n)
         env.update(self.plans[replica].env())
         env.update(await self.holder_env(replica))
+        kv_ok = self.kv_may_hold(replica)
+        late = late and gated and kv_ok
+        if kv_ok:
+            env[plugin.KV_VAR] = kv
         gate = plugin.gate_dir(self.state_dir, n) if gated else None
         if gate is not None:
             env = plugin.gate_env(env, gate, STANDBY_PARK_S if standby else park_limit(s), self.prestage(n),
-                                  warm=s.warm_start == "on")
+                                  warm=s.warm_start == "on", at_ready=late)
         backend = Backend(generation=n, model=self.model, host=s.backend_host, port=free_port(s.backend_host),
                           vllm_args=list(s.vllm_args), log_path=self.state_dir / "logs" / f"generation-{n}.log",
                           python=self.python, env=env, nice=s.backend_nice, deathsig=not self.kept)
@@ -227,9 +246,11 @@ class Launcher:
         row = self.ledger.generation_started(n, backend.pid, backend.pid_started, self.model, replica, strategy,
                                              self.config_hash or None, changed)
         gen = Generation(n, backend, target, row, replica=replica, strategy=strategy, gate=gate,
-                         spawned_mono=time.monotonic(), beside=beside, standby=standby, config=self.config_hash)
+                         spawned_mono=time.monotonic(), beside=beside, standby=standby, config=self.config_hash,
+                         kv=kv if kv_ok else "", late=late)
         log.info("generation_starting", generation=n, replica=replica, pid=backend.pid, backend=backend.url,
                  max_requests=target.limit, strategy=strategy, gated=gated, beside=beside,
+                 kv=gen.kv or None, late_gate=late or None,
                  gpus=self.plans[replica].gpus or None, log=str(backend.log_path), config=self.config_hash or None,
                  config_changed=list(changed) or None)
         await asyncio.to_thread(prune_logs, self.state_dir / "logs")

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 class Spawner(Protocol):
     async def spawn(self, replica: int, strategy: str | None, gated: bool, beside: bool,
-                    standby: bool = False) -> Generation:
-        """Launch a generation of `replica` (OSError: the interpreter cannot even be run)."""
+                    standby: bool = False, late: bool = False, kv: str = "held") -> Generation:
+        """Launch a generation of `replica` (OSError: the interpreter cannot even be run); `late`
+        and `kv` as `view.Spawn` says (applied only where the replica has a holder on a GPU)."""
 
     async def went_live(self, gen: Generation) -> None:
         """It serves now: what its processes said about their start (where its weights came from)."""

@@ -12,7 +12,7 @@ from vllm_guard.core.ledger import EndClass, FailureKind
 
 from ..child.death import same_cause
 from .machine import Machine, Recycle, State, Wanted, idle, rolling, serving_count
-from .strategy import AUTO, MemoryFit, Strategy, choose
+from .strategy import AUTO, MemoryFit, Strategy, choose, late_gate_fits
 from .view import (
     Abandon, Decision, Drain, Effect, Event, Failure, GenPhase, GenView, GiveUp, GoLive, HoldCmd, LearnGate, LearnStart,
     Leaving, OpenGate, PastLimit, Promote, RecycleBegan, RecycleNote, RecycleOver, RecycleReady, RejectRequests,
@@ -111,12 +111,56 @@ def successor_deadline(v: ReplicaView, reason: str, now: float) -> float | None:
     return None
 
 
+# -- the held KV cache: one computing generation at a time -------------------------------------
+KV_HELD, KV_OWN = "held", "own"
+
+
+def kv_taken(v: ReplicaView, skip: int | None) -> int | None:
+    """A live generation other than `skip` that maps the holder's KV cache (its number), or None."""
+    for g in (v.current, v.successor, *v.retiring):
+        if g is not None and g.number != skip and g.maps_held_kv:
+            return g.number
+    return None
+
+
+def kv_for(v: ReplicaView, g: int | None) -> str:
+    """The KV cache for generation `g` that may compute now: the held one unless another maps it."""
+    return KV_OWN if kv_taken(v, g) is not None else KV_HELD
+
+
+def fit_with_kv(cur: GenView, fit: MemoryFit) -> MemoryFit:
+    return replace(fit, kv_held_mb=cur.kv_mb if cur.kv == KV_HELD else 0.0, weights_held_mb=cur.weights_mb)
+
+
+def late_gate(v: ReplicaView) -> tuple[bool, str]:
+    """Whether a gated successor or standby may start whole beside the serving generation and park
+    ready (`strategy.late_gate_fits`), and why: the serving one maps the held KV cache and its GPU
+    has the room."""
+    cur = v.current
+    if cur is None or cur.fit is None or not v.facts.nvml:
+        return False, "no GPU memory reading of the serving generation"
+    if cur.kv != KV_HELD:
+        return False, "the serving generation does not map a held KV cache"
+    return late_gate_fits(fit_with_kv(cur, cur.fit))
+
+
+def late_ok(v: ReplicaView) -> bool:
+    return late_gate(v)[0]
+
+
+def park_within(v: ReplicaView, g: GenView) -> float:
+    """How long `g` may take to reach its gate: a late one parks after its whole start."""
+    s = v.facts.cfg.server
+    return s.startup_timeout if g.late else s.gate_timeout
+
+
 def begin_recycle(v: ReplicaView, now: float, out: Out, reason: str, cls: EndClass, strategy: str | None) -> None:
     cur, f = need(v.current, "a recycle begins with no current generation"), v.facts
     fit = cur.fit if cur.fit is not None else MemoryFit(host_available_mb=0.0, host_footprint_mb=None,
                                                         gate_unavailable=f.gate_unavailable)
     if f.gate_unavailable and fit.gate_unavailable != f.gate_unavailable:
         fit = replace(fit, gate_unavailable=f.gate_unavailable)
+    fit = fit_with_kv(cur, fit)
     choice = choose(strategy or f.cfg.server.recycle_strategy, fit, f.starts)
     if strategy is not None:
         choice = replace(choice, reason=f"asked for by the command{choice.reason.partition(f'= {strategy}')[2]}")
@@ -128,16 +172,18 @@ def begin_recycle(v: ReplicaView, now: float, out: Out, reason: str, cls: EndCla
         out.add(Abandon(f"a cold recycle was asked for; standby generation {nxt.number} is set aside"),
                 log("standby_set_aside", replica=f.index, generation=nxt.number, why="cold recycle asked for"))
         nxt = None
-    if nxt is not None and choice.strategy is not Strategy.OVERLAP:
+    beside_ok = nxt is not None and not nxt.late  # a late standby maps the held KV cache: never beside
+    if nxt is not None and (choice.strategy is not Strategy.OVERLAP or not beside_ok):
         rec = replace(rec, strategy=Strategy.GATED.value,
-                      why=f"{choice.reason}; the parked standby (generation {nxt.number}) takes over")
+                      why=f"{choice.reason}; the parked standby (generation {nxt.number}) takes over"
+                          + ("" if beside_ok else " once the serving one is gone (it parked ready on the held KV cache)"))
     out.set(recycle=rec, end_reason=(reason, cls), wanted=None, deferred=None)
     out.add(RecycleBegan(rec), log("recycle_begin", generation=cur.number, replica=f.index, reason=reason,
                                    cls=cls.value, served=cur.served, toward_limit=cur.requests,
                                    inherited=cur.inherited, limit=cur.limit, strategy=rec.strategy,
                                    why=rec.why))
-    if nxt is not None and choice.strategy is Strategy.OVERLAP:
-        out.add(PastLimit(True), OpenGate(nxt.number),
+    if nxt is not None and choice.strategy is Strategy.OVERLAP and beside_ok:
+        out.add(PastLimit(True), OpenGate(nxt.number, kv=kv_for(v, nxt.number)),
                 log("gate_opened", generation=nxt.number, replica=f.index, beside=cur.number))
         out.to(S.OVERLAP_STARTING, now)
     elif nxt is not None:
@@ -149,10 +195,13 @@ def begin_recycle(v: ReplicaView, now: float, out: Out, reason: str, cls: EndCla
     elif choice.strategy is Strategy.COLD:
         unready_or_drain(v, now, out, urgent=False)
     elif choice.strategy is Strategy.OVERLAP:
-        out.add(PastLimit(True), Spawn(Slot.SUCCESSOR, gated=False, strategy=Strategy.OVERLAP.value))
+        out.add(PastLimit(True), Spawn(Slot.SUCCESSOR, gated=False, strategy=Strategy.OVERLAP.value,
+                                       kv=kv_for(v, None)))
         out.to(S.OVERLAP_STARTING, now)
     else:
-        out.add(PastLimit(True), Spawn(Slot.SUCCESSOR, gated=True, strategy=Strategy.GATED.value))
+        late, why = late_gate(v)
+        out.add(PastLimit(True), Spawn(Slot.SUCCESSOR, gated=True, strategy=Strategy.GATED.value, late=late),
+                log("gate_at", replica=f.index, late=late, why=why))
         out.to(S.GATED_PARKING, now)
 
 
@@ -239,7 +288,7 @@ def successor_lost(v: ReplicaView, out: Out, nxt: GenView, where: str) -> bool:
 
 def never_parked(v: ReplicaView, nxt: GenView) -> Failure:
     return Failure(nxt.number, FailureKind.START_FAILED.value, None,
-                   f"did not reach its startup gate within {v.facts.cfg.server.gate_timeout:.0f}s")
+                   f"did not reach its startup gate within {park_within(v, nxt):.0f}s")
 
 
 def successor_failed(v: ReplicaView, out: Out, failure: Failure,
@@ -348,7 +397,8 @@ def stop_span(v: ReplicaView, kill: bool) -> float:
 
 def gate_span(v: ReplicaView) -> float:
     s = v.facts.cfg.server
-    return s.gate_timeout + s.memory_release_timeout
+    reach = park_within(v, v.successor) if v.successor is not None else s.gate_timeout
+    return reach + s.memory_release_timeout
 
 
 def number_of(g: GenView | None) -> str:

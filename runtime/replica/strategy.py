@@ -10,6 +10,11 @@
   one drains and stops; the gate opens when its memory is really gone. Requests queue only for
   the part after the gate. Needs host RAM for a parked generation (two imported Python
   processes) and a vLLM whose engine can park (learned from its first try).
+  With a held KV cache (`core.holder`) the gate moves to the end of the start (`late_gate_fits`):
+  the successor maps the held weights and KV cache, captures its graphs and parks ready beside
+  the serving generation; after the old one is gone only vLLM's handshake, its API server's start
+  and /health remain. Two generations never compute on one KV cache: a late gate opens only once
+  every other generation that maps it is gone.
 - **cold**: drain, stop, start. Always possible; requests queue for the whole start.
 
 `choose()` takes the readings and the operator's `[server] recycle_strategy`, and says which and
@@ -52,6 +57,8 @@ class MemoryFit:
     vllm_needs_mb: float | None = None  # gpu_memory_utilization x device total
     margin_mb: float = 1024.0
     gate_unavailable: str | None = None  # why this vLLM cannot park (an earlier try said so)
+    kv_held_mb: float = 0.0  # the KV cache the serving generation maps from the holder: a successor computing beside it needs its own
+    weights_held_mb: float = 0.0  # the weights it maps from the holder (vLLM's start check counts them as the engine's: `held-kv`)
 
 
 STARVE_FACTOR = 1.5
@@ -95,8 +102,9 @@ def overlap_fits(m: MemoryFit) -> tuple[bool, str]:
         return True, host
     if m.gpu_footprint_mb is None:
         return False, f"{host}; no GPU memory reading of the serving generation"
-    gpu = f"GPU free {_mb(m.gpu_free_mb)} vs {_mb(m.gpu_footprint_mb)} + {_mb(m.margin_mb)} margin"
-    if m.gpu_free_mb < m.gpu_footprint_mb + m.margin_mb:
+    kv = f" + {_mb(m.kv_held_mb)} KV cache of its own" if m.kv_held_mb else ""
+    gpu = f"GPU free {_mb(m.gpu_free_mb)} vs {_mb(m.gpu_footprint_mb)}{kv} + {_mb(m.margin_mb)} margin"
+    if m.gpu_free_mb < m.gpu_footprint_mb + m.kv_held_mb + m.margin_mb:
         return False, gpu
     if m.vllm_needs_mb is not None and m.vllm_free_mb is not None and m.vllm_free_mb < m.vllm_needs_mb:
         return False, (f"{gpu}, but vLLM's start check needs {_mb(m.vllm_needs_mb)} free "
@@ -113,6 +121,26 @@ def gated_fits(m: MemoryFit) -> tuple[bool, str]:
     ok = m.host_available_mb >= m.parked_mb + m.margin_mb
     return ok, (f"RAM available {_mb(m.host_available_mb)} vs a parked generation's {_mb(m.parked_mb)} "
                 f"+ {_mb(m.margin_mb)} margin")
+
+
+def late_gate_fits(m: MemoryFit) -> tuple[bool, str]:
+    """Whether a gated successor may start whole beside the serving generation, parking once
+    ready: it maps the held weights and the held KV cache, so what it needs of its own is what
+    the serving generation's engine holds of its own (activations, graphs: NVML counts mapped
+    memory to the holder), and vLLM's start check must pass beside it."""
+    if not m.kv_held_mb:
+        return False, "the serving generation does not map a held KV cache"
+    if m.gpu_free_mb is None or m.gpu_footprint_mb is None:
+        return False, "no GPU memory reading of the serving generation"
+    gpu = (f"GPU free {_mb(m.gpu_free_mb)} vs its engine's own {_mb(m.gpu_footprint_mb)} + "
+           f"{_mb(m.margin_mb)} margin")
+    if m.gpu_free_mb < m.gpu_footprint_mb + m.margin_mb:
+        return False, gpu
+    held = m.kv_held_mb + m.weights_held_mb  # the engine's check counts what it maps as its own (`held-kv`)
+    if m.vllm_needs_mb is not None and m.vllm_free_mb is not None and m.vllm_free_mb + held < m.vllm_needs_mb:
+        return False, (f"{gpu}, but vLLM's start check needs {_mb(m.vllm_needs_mb)} "
+                       f"(gpu_memory_utilization x total) and sees {_mb(m.vllm_free_mb)} free + {_mb(held)} held")
+    return True, gpu
 
 
 def two_at_once(recycle_strategy: str, standby: str, replicas: int) -> bool:

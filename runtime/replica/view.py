@@ -69,6 +69,15 @@ class GenView:
     alive: tuple[int, ...] = ()  # its pids still alive (while stopping)
     end_reason: tuple[str, EndClass] = ("", EndClass.SCHEDULED)  # recorded when it ends
     death: Death | None = None  # it exited on its own before it ever served: why (read from its log)
+    kv: str = ""  # held: it maps the replica holder's KV cache (asked, or as its engine reported); own; "": unknown
+    kv_mb: float = 0.0  # the held KV cache's size (MiB), once its engine reported it
+    weights_mb: float = 0.0  # the held weights it maps (MiB): mapped, or loaded and given to the holder
+    late: bool = False  # gated to park once ready on the held KV cache, not before CUDA
+
+    @property
+    def maps_held_kv(self) -> bool:
+        """It maps (or will map) the holder's KV cache and is not gone: nothing else may compute on it."""
+        return self.kv == "held" and self.phase is not GenPhase.DONE and not self.gone
 
     @property
     def died(self) -> bool:
@@ -162,6 +171,8 @@ class Spawn:
     gated: bool = False
     strategy: str | None = None  # how it comes up: overlap | gated | cold | standby; None: the replica's first
     standby: bool = False  # parks at its gate until it is needed (no limit on how long)
+    late: bool = False  # gated: park once ready on the held KV cache (`core.plugin.GATE_AT_VAR`)
+    kv: str = "held"  # held: it may map the holder's KV cache (with a holder); own: another generation computes on it
 
 
 @dataclass(frozen=True)
@@ -219,6 +230,7 @@ class Finish:
 @dataclass(frozen=True)
 class OpenGate:
     generation: int
+    kv: str = ""  # what its KV cache is to be if it allocates after the gate: held | own
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ for sc in $SCENARIOS; do
   cp /tmp/st-$NAME/$sc/logs/generation-*.log /tmp/st-$NAME/$sc/logs/holder-*.log $d/ 2>/dev/null
   [ -f $d/ledger.sqlite ] || { [ -f /tmp/st-$NAME/$sc/ledger.sqlite ] && python3 -c "import sqlite3,sys; s=sqlite3.connect(sys.argv[1]); d=sqlite3.connect(sys.argv[2]); s.backup(d)" /tmp/st-$NAME/$sc/ledger.sqlite $d/ledger.sqlite; }
   echo "== $sc: runtime log lines"
-  grep -h '"holder_\|"generation_weights"' $d/server.log 2>/dev/null | cut -c1-300 | head -40
+  grep -h '"holder_\|"generation_weights"\|"generation_kv"' $d/server.log 2>/dev/null | cut -c1-300 | head -40
   python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('holder', [r.get('holder') for r in s['replicas']])" $d/status.json 2>/dev/null
   grep -h '"gpu_mega_aot_artifact"\|"generation_parked"\|"recycle_begin"\|"recycle_handover"\|"gate_opened"\|"generation_switched"\|"recycle_fallback"\|downtime_s' $d/server.log 2>/dev/null | cut -c1-330
   echo "== $sc: vLLM generation logs mentioning the artifact"

@@ -1,0 +1,295 @@
+"""The held KV cache: the holder's KV buffers, the engine's allocation wrap, and the rules that keep
+two computing generations off one KV cache.
+
+- A real `python -m vllm_guard.patches.holder` (shared host memory here, CUDA IPC on a GPU box):
+  the first ask allocates zeroed buffers, a second engine maps the same bytes, another key or
+  other sizes are refused, and RETIRE waits for an engine that maps the KV cache.
+- The patch on the real vLLM in this venv: its KV cache allocation maps the holder's buffer (the
+  views vLLM builds alias it), and a mode the runtime wrote at the gate wins over the spawn's.
+- The pure rules (`decide`, `strategy`): a late gate opens once nothing else maps the held KV cache,
+  without waiting for GPU room; an overlap successor takes its own KV cache while the serving one
+  maps the held one; a late standby never opens beside the serving generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import types
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from test_holder_unit import DEVICES, _device_ok, client
+from test_replica_machine import NOW, facts, gen, kinds, view_of
+from vllm_guard.core import holder as contract
+from vllm_guard.core import plugin as plugin_contract
+from vllm_guard.patches import held_kv
+from vllm_guard.runtime.child.holder import HolderProcess
+from vllm_guard.runtime.replica.decide import decide
+from vllm_guard.runtime.replica.machine import State
+from vllm_guard.runtime.replica.strategy import MemoryFit, late_gate_fits, overlap_fits
+from vllm_guard.runtime.replica.view import Abandon, GenPhase, OpenGate, RecycleCmd, Spawn, Tick
+
+torch = pytest.importorskip("torch")
+S = State
+GIB = 1024.0
+
+
+@pytest.fixture(params=DEVICES)
+def holder(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[HolderProcess]:
+    device = request.param
+    _device_ok(device)
+    h = HolderProcess(0, tmp_path, sys.executable, dict(os.environ), device)
+    assert asyncio.run(h.ensure()), h.error
+    yield h
+    asyncio.run(h.stop())
+
+
+def ask_kv(h: HolderProcess, key: str, sizes: tuple[int, ...], pid: int | None = None) -> tuple[Any, Any]:
+    c = client(h)
+    try:
+        return c.ask(contract.HolderRequest(op=contract.Op.KV, key=key, sizes=sizes, generation=1, pid=pid))
+    finally:
+        c.close()
+
+
+# -- the holder ----------------------------------------------------------------------------------
+def test_the_first_ask_allocates_zeroed_buffers_and_the_next_maps_the_same_bytes(holder: HolderProcess) -> None:
+    reply, payload = ask_kv(holder, "kv1", (4096, 1024))
+    assert reply.ok and payload is not None, reply
+    first = payload["kv"]
+    assert [int(b.numel()) for b in first] == [4096, 1024] and all(b.dtype is torch.int8 for b in first)
+    assert all(int(b.abs().sum()) == 0 for b in first), "a fresh KV cache is zeroed"
+    first[0][:8] = torch.arange(1, 9, dtype=torch.int8, device=first[0].device)  # the engine writes its blocks
+    if holder.device == "cuda":
+        torch.cuda.synchronize()
+    reply, payload = ask_kv(holder, "kv1", (4096, 1024))
+    assert reply.ok and payload is not None, reply
+    assert payload["kv"][0][:8].cpu().tolist() == list(range(1, 9)), "the second engine maps the same bytes"
+    assert reply.state.kv_key == "kv1" and reply.state.kv_bytes == 5120, reply.state
+
+    reply, payload = ask_kv(holder, "kv2", (4096, 1024))  # the cache's shape changed
+    assert not reply.ok and payload is None and "another KV cache is held" in reply.error, reply
+    reply, payload = ask_kv(holder, "kv1", (4096,))
+    assert not reply.ok and "sizes differ" in reply.error, reply
+    reply, _ = ask_kv(holder, "kv1", ())
+    assert not reply.ok  # still held as it was
+    assert asyncio.run(holder.stat()).kv_bytes == 5120  # type: ignore[union-attr]
+
+
+def test_a_fresh_holder_refuses_bad_sizes(holder: HolderProcess) -> None:
+    reply, payload = ask_kv(holder, "kv1", (0,))
+    assert not reply.ok and payload is None and "bad KV cache sizes" in reply.error
+    assert reply.state.kv_bytes == 0
+
+
+def test_retire_waits_for_an_engine_that_maps_the_kv_cache(holder: HolderProcess) -> None:
+    code = ("import os,sys,time\n"
+            "from vllm_guard.core import holder as c\n"
+            "from vllm_guard.patches.held import HolderClient\n"
+            "cl=HolderClient(sys.argv[1], bytes.fromhex(sys.argv[2]))\n"
+            "r,p=cl.ask(c.HolderRequest(op=c.Op.KV,key='kv',sizes=(2048,),pid=os.getpid()))\n"
+            "assert p is not None, r\n"
+            "print('mapped', flush=True)\n"
+            "time.sleep(600)\n")
+    engine = subprocess.Popen([sys.executable, "-c", code, str(holder.path), holder.key], stdout=subprocess.PIPE)
+    try:
+        assert engine.stdout is not None and engine.stdout.readline().strip() == b"mapped"
+        st = asyncio.run(holder.stat())
+        assert st is not None and st.kv_mappers == [engine.pid] and st.mappers == [], st
+        assert holder.status().kv_mappers == [engine.pid]
+        assert not asyncio.run(holder.retire()), "retired while an engine maps the KV cache"
+    finally:
+        engine.kill()
+        engine.wait()
+    assert asyncio.run(holder.retire())
+
+
+# -- the engine's side -------------------------------------------------------------------------------
+def test_only_the_expected_int8_zeros_of_this_thread_are_substituted() -> None:
+    bufs = [torch.full((16,), 7, dtype=torch.int8), torch.full((8,), 9, dtype=torch.int8)]
+    real = torch.zeros
+    with held_kv._Substitute(torch, bufs) as sub:
+        assert torch.zeros(16, dtype=torch.float32).sum() == 0  # another dtype: a real allocation
+        a = torch.zeros(16, dtype=torch.int8)
+        assert a is bufs[0]
+        assert torch.zeros(16, dtype=torch.int8) is not bufs[1]  # not the next expected size
+        b = torch.zeros(8, dtype=torch.int8, device="cpu")
+        assert b is bufs[1] and sub.used == 2
+        assert int(torch.zeros(8, dtype=torch.int8).sum()) == 0  # all handed out: real ones again
+    assert torch.zeros is real
+
+
+def test_the_allocation_sizes_of_each_vllm_shape() -> None:
+    t = types.SimpleNamespace
+    cfg = t(kv_cache_tensors=[t(size=100, block_stride=10), t(size=100, block_stride=10), t(size=50, block_stride=0)])
+    assert held_kv.sizes_025(cfg) == [100, 50]  # packed tensors share one backing
+    assert held_kv.sizes_032(t(kv_cache_tensors=[t(size=64), t(size=64)])) == [64]
+    assert held_kv.sizes_032(t(kv_cache_tensors=[t(size=64), t(size=32)])) == []
+    assert held_kv.sizes_032(t(kv_cache_tensors=[])) == []
+
+
+def test_the_runtimes_word_at_the_gate_wins_over_the_spawns(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    env = {plugin_contract.KV_VAR: "held", contract.HOLDER_VAR: "/x.sock", contract.HOLDER_KEY_VAR: "00"}
+    assert held_kv.asked(env) and held_kv.mode(env) == "held"
+    assert held_kv.mode({plugin_contract.KV_VAR: "held"}) == "own", "no holder: nothing to map"
+    env[plugin_contract.GATE_VAR] = str(gate)
+    assert held_kv.mode(env) == "held"  # not opened yet: the spawn's word
+    plugin_contract.open_gate(gate, "own")
+    assert plugin_contract.gate_is_open(gate) and held_kv.mode(env) == "own"
+    plugin_contract.open_gate(gate)  # an opening that says nothing leaves the spawn's word
+    assert held_kv.mode(env) == "held"
+    assert not held_kv.late(env)
+    assert held_kv.late({**env, plugin_contract.GATE_AT_VAR: "ready"})
+    assert not held_kv.late({plugin_contract.GATE_AT_VAR: "ready"}), "not gated: nothing to park at"
+
+
+def test_vllms_own_kv_allocation_maps_the_holders_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real `allocate_kv_cache` of the vLLM in this venv, wrapped: the per-layer views vLLM
+    builds alias the holder's buffer (a second mapping sees what the first engine wrote)."""
+    gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
+    if not callable(getattr(gmr, "allocate_kv_cache", None)):
+        pytest.skip("this vLLM allocates in GPUModelRunner._allocate_kv_cache_tensors (0.25's shape, GPU tests)")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    h = HolderProcess(0, tmp_path, sys.executable, dict(os.environ), "cpu")
+    assert asyncio.run(h.ensure()), h.error
+    reports: list[Any] = []
+    monkeypatch.setitem(os.environ, plugin_contract.KV_VAR, "held")
+    monkeypatch.setitem(os.environ, contract.HOLDER_VAR, str(h.path))
+    monkeypatch.setitem(os.environ, contract.HOLDER_KEY_VAR, h.key)
+    orig = gmr.allocate_kv_cache
+    try:
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+        blocks, layers = 4, ["model.layers.0.attn", "model.layers.1.attn"]
+        page = spec.page_size_bytes
+        size = page * blocks * len(layers)
+        cfg = KVCacheConfig(num_blocks=blocks, kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+                            kv_cache_tensors=[KVCacheTensor(size=size, layers=layers, layer_stride=page * blocks,
+                                                            block_stride=page)])
+        patch = held_kv.HeldKv(str(h.path), bytes.fromhex(h.key), reports.append, lambda where: None)
+        assert patch.install() == "gpu_model_runner.allocate_kv_cache"
+        views = gmr.allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout.LBHNC)
+        assert reports and reports[-1].source == "held" and reports[-1].bytes == size, reports
+        views[layers[1]].view(-1)[:4] = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.bfloat16)
+        reply, payload = ask_kv(h, reply_key(h), (size,))
+        assert reply.ok and payload is not None, reply
+        again = payload["kv"][0].view(torch.bfloat16)
+        assert 1.0 in again.tolist() and 4.0 in again.tolist(), "vLLM's views do not alias the held buffer"
+        # the runtime says "own" at the gate: vLLM allocates its own as always
+        gate = tmp_path / "gate"
+        plugin_contract.open_gate(gate, "own")
+        monkeypatch.setitem(os.environ, plugin_contract.GATE_VAR, str(gate))
+        mine = gmr.allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout.LBHNC)
+        assert reports[-1].source == "own" and "own" in reports[-1].reason, reports[-1]
+        assert float(mine[layers[1]].view(-1)[:4].float().abs().sum()) == 0.0
+    finally:
+        gmr.allocate_kv_cache = orig
+        asyncio.run(h.stop())
+
+
+def reply_key(h: HolderProcess) -> str:
+    st = asyncio.run(h.stat())
+    assert st is not None and st.kv_key
+    return st.kv_key
+
+
+# -- the rules -----------------------------------------------------------------------------------
+FIT = MemoryFit(host_available_mb=20 * GIB, host_footprint_mb=3 * GIB, parked_mb=1.5 * GIB,
+                gpu_free_mb=3.5 * GIB, gpu_total_mb=24 * GIB, gpu_footprint_mb=1.3 * GIB,
+                vllm_free_mb=60 * GIB, vllm_needs_mb=12 * GIB)
+
+
+def test_a_held_kv_cache_is_counted_for_an_overlap_and_lets_a_late_gate_fit() -> None:
+    assert overlap_fits(FIT)[0], "without a held KV cache the engine's own memory is all a successor needs"
+    held = replace(FIT, kv_held_mb=6 * GIB)
+    ok, why = overlap_fits(held)
+    assert not ok and "KV cache of its own" in why
+    ok, why = late_gate_fits(held)
+    assert ok and "own 1.3 GiB" in why, why
+    assert not late_gate_fits(FIT)[0], "no held KV cache: nothing to park ready on"
+    assert not late_gate_fits(replace(held, gpu_free_mb=2 * GIB))[0]
+    # vLLM's start check counts what the engine maps from the holder as its own (`held-kv`)
+    assert late_gate_fits(replace(held, vllm_free_mb=10 * GIB))[0]
+    assert "start check" in late_gate_fits(replace(held, vllm_free_mb=5 * GIB))[1]
+    assert late_gate_fits(replace(held, vllm_free_mb=5 * GIB, weights_held_mb=12 * GIB))[0]
+
+
+def serving_with_held_kv(**kw: Any) -> Any:
+    v = view_of(S.SERVING)
+    cur = replace(v.current, **{"kv": "held", "kv_mb": 6 * GIB, "fit": FIT, **kw})  # type: ignore[arg-type]
+    return replace(v, current=cur, facts=facts(nvml=True))
+
+
+def test_a_gated_successor_parks_ready_where_the_serving_one_maps_the_held_kv_cache() -> None:
+    d = decide(serving_with_held_kv(), RecycleCmd(reason="t"), NOW)
+    spawn = kinds(d, Spawn)
+    assert spawn and spawn[0].gated and spawn[0].late and spawn[0].kv == "held", d.effects
+    assert d.machine.recycle is not None and d.machine.recycle.strategy == "gated"
+
+    v = serving_with_held_kv()
+    v = replace(v, current=replace(v.current, kv="own", kv_mb=0.0))
+    spawn = kinds(decide(v, RecycleCmd(reason="t"), NOW), Spawn)
+    assert spawn and spawn[0].kv == "held", spawn  # an overlap (two fit), and the held KV cache is free
+    assert not spawn[0].gated
+
+    v = serving_with_held_kv()
+    v = replace(v, facts=facts(nvml=False))
+    spawn = kinds(decide(v, RecycleCmd(reason="t"), NOW), Spawn)
+    assert spawn and not spawn[0].late, "no GPU readings: it parks before CUDA as ever"
+
+
+def test_an_overlap_successor_takes_its_own_kv_cache_while_the_serving_one_maps_the_held_one() -> None:
+    v = serving_with_held_kv(fit=replace(FIT, gpu_free_mb=40 * GIB))
+    d = decide(v, RecycleCmd(reason="t"), NOW)
+    spawn = kinds(d, Spawn)
+    assert spawn and not spawn[0].gated and spawn[0].kv == "own", d.effects
+
+
+def test_a_late_standby_is_never_opened_beside_the_serving_generation() -> None:
+    v = serving_with_held_kv(fit=replace(FIT, gpu_free_mb=40 * GIB))  # overlap would fit
+    late = gen(2, GenPhase.BOOTING, gated=True, gate="parked", beside=True, standby=True, kv="held", late=True,
+               kv_mb=6 * GIB)
+    v = replace(v, machine=replace(v.machine, state=S.STANDBY), successor=late)
+    d = decide(v, RecycleCmd(reason="t"), NOW)
+    assert not kinds(d, OpenGate), "opened beside the generation that computes on the same KV cache"
+    assert d.machine.recycle is not None and d.machine.recycle.strategy == "gated"
+    assert "held KV cache" in d.machine.recycle.why
+
+    early = replace(late, late=False, kv="held", kv_mb=0.0)
+    d = decide(replace(v, successor=early), RecycleCmd(reason="t"), NOW)
+    assert kinds(d, OpenGate) == [OpenGate(2, kv="own")], d.effects  # beside it: its own KV cache
+
+
+def opening(successor: Any, **kw: Any) -> Any:
+    v = view_of(S.OPENING_GATE)
+    return replace(v, **{"successor": successor, "facts": facts(nvml=True, gpu_room=False), **kw})
+
+
+def test_a_late_gate_opens_without_waiting_for_gpu_room_once_nothing_else_maps_the_kv_cache() -> None:
+    late = gen(2, GenPhase.BOOTING, gated=True, gate="parked", beside=True, kv="held", late=True)
+    d = decide(opening(late), Tick(), NOW)
+    assert kinds(d, OpenGate) == [OpenGate(2, kv="held")] and d.machine.state is S.PAST_GATE, d.effects
+    early = replace(late, late=False)
+    assert not kinds(decide(opening(early), Tick(), NOW), OpenGate), "an early gate still waits for room"
+
+    other = gen(1, GenPhase.DRAINING, kv="held")  # a retiring generation still maps it
+    d = decide(opening(late, retiring=(other,)), Tick(), NOW)
+    assert not kinds(d, OpenGate), "opened while another generation maps the held KV cache"
+    v = opening(late, retiring=(other,))
+    v = replace(v, machine=replace(v.machine, since=NOW - 120))  # past memory_release_timeout
+    d = decide(v, Tick(), NOW)
+    assert not kinds(d, OpenGate) and kinds(d, Abandon), d.effects  # it mapped it: set aside, a cold start
+    assert [e for e in kinds(d, Spawn) if not e.gated], d.effects
+    v = opening(replace(early, kv="held"), retiring=(other,), facts=facts(nvml=True, gpu_room=True))
+    v = replace(v, machine=replace(v.machine, since=NOW - 120))
+    assert kinds(decide(v, Tick(), NOW), OpenGate) == [OpenGate(2, kv="own")]
+    gone = replace(other, phase=GenPhase.DONE)
+    assert kinds(decide(opening(late, retiring=(gone,)), Tick(), NOW), OpenGate) == [OpenGate(2, kv="held")]
