@@ -272,6 +272,10 @@ class Launcher:
                         completed=h.served)
         gen = Generation(h.generation, backend, target, h.row, replica=h.replica, strategy="adopted",
                          spawned_mono=time.monotonic(), config=h.config_hash, adopted=True)
+        # its KV cache may be the holder's (adopted with it): known before any successor is decided
+        kv = next((r.kv for r in plugin.read_states(self.state_dir, h.generation).values() if r.kv is not None), None)
+        if kv is not None:
+            gen.note_kv(kv)
         log.info("generation_adopted", generation=h.generation, replica=h.replica, pid=h.api.pid,
                  backend=backend.url, pids=sorted(backend.known_pids), config=h.config_hash,
                  config_now=self.config_hash, same_config=h.config_hash == self.config_hash)
