@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 import types
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from test_holder_unit import DEVICES, _device_ok, client
+from test_holder_unit import client, engine_that_maps, holder  # noqa: F401 - `holder`: the real holder process, per device
 from test_replica_machine import NOW, facts, gen, kinds, view_of
 from vllm_guard.core import holder as contract
 from vllm_guard.core import plugin as plugin_contract
@@ -38,16 +37,6 @@ from vllm_guard.runtime.replica.view import Abandon, GenPhase, OpenGate, Recycle
 torch = pytest.importorskip("torch")
 S = State
 GIB = 1024.0
-
-
-@pytest.fixture(params=DEVICES)
-def holder(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[HolderProcess]:
-    device = request.param
-    _device_ok(device)
-    h = HolderProcess(0, tmp_path, sys.executable, dict(os.environ), device)
-    assert asyncio.run(h.ensure()), h.error
-    yield h
-    asyncio.run(h.stop())
 
 
 def ask_kv(h: HolderProcess, key: str, sizes: tuple[int, ...], pid: int | None = None) -> tuple[Any, Any]:
@@ -89,15 +78,7 @@ def test_a_fresh_holder_refuses_bad_sizes(holder: HolderProcess) -> None:
 
 
 def test_retire_waits_for_an_engine_that_maps_the_kv_cache(holder: HolderProcess) -> None:
-    code = ("import os,sys,time\n"
-            "from vllm_guard.core import holder as c\n"
-            "from vllm_guard.patches.held import HolderClient\n"
-            "cl=HolderClient(sys.argv[1], bytes.fromhex(sys.argv[2]))\n"
-            "r,p=cl.ask(c.HolderRequest(op=c.Op.KV,key='kv',sizes=(2048,),pid=os.getpid()))\n"
-            "assert p is not None, r\n"
-            "print('mapped', flush=True)\n"
-            "time.sleep(600)\n")
-    engine = subprocess.Popen([sys.executable, "-c", code, str(holder.path), holder.key], stdout=subprocess.PIPE)
+    engine = engine_that_maps(holder, "c.HolderRequest(op=c.Op.KV,key='kv',sizes=(2048,),pid=os.getpid())")
     try:
         assert engine.stdout is not None and engine.stdout.readline().strip() == b"mapped"
         st = asyncio.run(holder.stat())

@@ -134,17 +134,23 @@ def test_another_key_a_write_into_the_weights_and_a_broken_fill_each_leave_it_st
     assert st is not None and st.state == "stale" and "before it sealed" in st.stale, st
 
 
-def test_retire_waits_for_every_engine_that_maps_the_copy(holder: HolderProcess, tmp_path: Path) -> None:
-    fill(holder, "k1", weights(holder.device))
+def engine_that_maps(h: HolderProcess, request: str) -> subprocess.Popen[bytes]:
+    """Another process that asks the holder `request` (a `HolderRequest(...)` expression over `c`,
+    with its own pid), keeps what it mapped, and says `mapped`."""
     code = ("import os,sys,time\n"
             "from vllm_guard.core import holder as c\n"
             "from vllm_guard.patches.held import HolderClient\n"
             "cl=HolderClient(sys.argv[1], bytes.fromhex(sys.argv[2]))\n"
-            "r,p=cl.ask(c.HolderRequest(op=c.Op.GET,key='k1',pid=os.getpid()))\n"
+            f"r,p=cl.ask({request})\n"
             "assert p is not None, r\n"
             "print('mapped', flush=True)\n"
             "time.sleep(600)\n")
-    engine = subprocess.Popen([sys.executable, "-c", code, str(holder.path), holder.key], stdout=subprocess.PIPE)
+    return subprocess.Popen([sys.executable, "-c", code, str(h.path), h.key], stdout=subprocess.PIPE)
+
+
+def test_retire_waits_for_every_engine_that_maps_the_copy(holder: HolderProcess, tmp_path: Path) -> None:
+    fill(holder, "k1", weights(holder.device))
+    engine = engine_that_maps(holder, "c.HolderRequest(op=c.Op.GET,key='k1',pid=os.getpid())")
     try:
         assert engine.stdout is not None and engine.stdout.readline().strip() == b"mapped"
         st = asyncio.run(holder.stat())
