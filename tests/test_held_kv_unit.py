@@ -68,7 +68,7 @@ def test_the_first_ask_allocates_zeroed_buffers_and_the_next_maps_the_same_bytes
     assert not reply.ok and "sizes differ" in reply.error, reply
     reply, _ = ask_kv(holder, "kv1", ())
     assert not reply.ok  # still held as it was
-    assert asyncio.run(holder.stat()).kv_bytes == 5120  # type: ignore[union-attr]
+    assert asyncio.run(holder.stat()).kv_bytes == 5120
 
 
 def test_a_fresh_holder_refuses_bad_sizes(holder: HolderProcess) -> None:
@@ -205,7 +205,7 @@ def test_a_held_kv_cache_is_counted_for_an_overlap_and_lets_a_late_gate_fit() ->
 
 def serving_with_held_kv(**kw: Any) -> Any:
     v = view_of(S.SERVING)
-    cur = replace(v.current, **{"kv": "held", "kv_mb": 6 * GIB, "fit": FIT, **kw})  # type: ignore[arg-type]
+    cur = replace(v.current, **{"kv": "held", "kv_mb": 6 * GIB, "fit": FIT, **kw})
     return replace(v, current=cur, facts=facts(nvml=True))
 
 
