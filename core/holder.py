@@ -115,12 +115,6 @@ class HolderReply(_Model):
     tensors_follow: bool = False  # a pickled {name: tensor} message comes next on the connection
 
 
-def kv_key(weights_key_: str, sizes: Sequence[int], fields: Mapping[str, Any]) -> str:
-    """The held KV cache's key: the model's, the buffer sizes and what shapes them (block size,
-    dtype, layers): another key is another KV cache."""
-    return weights_key({"weights": weights_key_, "sizes": list(sizes), **dict(fields)})
-
-
 def read(model: type[Any], raw: bytes) -> Any:
     """A message of `model` from the wire (ProtocolError when it is not one)."""
     try:

@@ -256,11 +256,11 @@ class HeldKv:
         import torch
 
         t0 = time.monotonic()
-        why = self._why_not(torch, sizes)
+        why = self._why_not(sizes)
         buffers: list[Any] = []
         if not why:
             try:
-                buffers = self._ask(contract.kv_key("", sizes, {"layout": key_for(kv_cache_config, sizes)}), sizes)
+                buffers = self._ask(key_for(kv_cache_config, sizes), sizes)
             except Exception as e:  # noqa: BLE001 - no held KV: its own, as vLLM would
                 why = f"the holder's KV cache: {type(e).__name__}: {e}"
         if not buffers:
@@ -285,7 +285,7 @@ class HeldKv:
                            seconds=round(time.monotonic() - t0, 3)))
         return out
 
-    def _why_not(self, torch: Any, sizes: list[int]) -> str:
+    def _why_not(self, sizes: list[int]) -> str:
         if mode() != plugin_contract.KV_HELD:
             return "the runtime asked for its own (another generation computes on the held one)"
         if not sizes:

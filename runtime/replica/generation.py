@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from vllm_guard.core.ledger import EndClass
-from vllm_guard.core.protocol import ChildProcess, GateReport, KvReport, MemoryStatus, PatchProcessReport, Role, WeightsReport
+from vllm_guard.core.protocol import (
+    ChildProcess, GateReport, KvReport, MemoryStatus, PatchProcessReport, Role, Source, WeightsReport,
+)
 
 from ..child import death as deaths
 from ..child.anatomy import Anatomy
@@ -95,7 +97,7 @@ class Generation:
             gpu_free=self.gpu_free, alive=self.alive, end_reason=self.end_reason, death=self.death,
             config=self.config, kv=self.kv, kv_mb=self.kv_mb, late=self.late,
             weights_mb=self.weights.bytes / 2**20 if self.weights is not None and
-            (self.weights.source.value == "held" or self.weights.given) else 0.0)
+            (self.weights.source is Source.HELD or self.weights.given) else 0.0)
 
     # -- the monitors' notes -------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -140,15 +142,17 @@ class Generation:
 
     def note_tree(self, found: list[ChildProcess], dead: int | None, patches: dict[str, PatchProcessReport]) -> None:
         self.children, self.patches = found, patches
-        kv = next((r.kv for r in patches.values() if r.kv is not None), None)
-        if kv is not None:
-            self.note_kv(kv)
+        self.note_kv(patches)
         if dead is not None and self.dead_engine is None:
             self.dead_engine = dead
 
-    def note_kv(self, report: KvReport) -> None:
-        """Where its KV cache came from, as its engine reported (held: what it maps of the holder's)."""
-        self.kv, self.kv_mb, self.kv_report = report.source, report.bytes / 2**20, report
+    def note_kv(self, reports: Mapping[str, PatchProcessReport]) -> KvReport | None:
+        """Where its KV cache came from, if its engine's report (among `reports`) says it yet
+        (held: what it maps of the holder's)."""
+        report = next((r.kv for r in reports.values() if r.kv is not None), None)
+        if report is not None:
+            self.kv, self.kv_mb, self.kv_report = report.source, report.bytes / 2**20, report
+        return report
 
     def note_weights(self, report: WeightsReport | None) -> None:
         """Where its weights came from, as its engine reported (at ready)."""

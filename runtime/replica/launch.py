@@ -201,9 +201,8 @@ class Launcher:
     async def went_live(self, gen: Generation) -> None:
         reports = await asyncio.to_thread(plugin.read_states, self.state_dir, gen.number)
         gen.note_weights(next((r.weights for r in reports.values() if r.weights is not None), None))
-        kv = next((r.kv for r in reports.values() if r.kv is not None), None)
+        kv = gen.note_kv(reports)
         if kv is not None:
-            gen.note_kv(kv)
             log.info("generation_kv", generation=gen.number, replica=gen.replica, source=kv.source,
                      why=kv.reason or None, gib=round(kv.bytes / 2**30, 2), seconds=kv.seconds)
         h = self.holders.get(gen.replica)
@@ -273,9 +272,7 @@ class Launcher:
         gen = Generation(h.generation, backend, target, h.row, replica=h.replica, strategy="adopted",
                          spawned_mono=time.monotonic(), config=h.config_hash, adopted=True)
         # its KV cache may be the holder's (adopted with it): known before any successor is decided
-        kv = next((r.kv for r in plugin.read_states(self.state_dir, h.generation).values() if r.kv is not None), None)
-        if kv is not None:
-            gen.note_kv(kv)
+        gen.note_kv(plugin.read_states(self.state_dir, h.generation))
         log.info("generation_adopted", generation=h.generation, replica=h.replica, pid=h.api.pid,
                  backend=backend.url, pids=sorted(backend.known_pids), config=h.config_hash,
                  config_now=self.config_hash, same_config=h.config_hash == self.config_hash)

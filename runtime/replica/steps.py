@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TypeVar
 
+from vllm_guard.core import plugin
 from vllm_guard.core.ledger import EndClass, FailureKind
 
 from ..child.death import same_cause
@@ -112,7 +113,7 @@ def successor_deadline(v: ReplicaView, reason: str, now: float) -> float | None:
 
 
 # -- the held KV cache: one computing generation at a time -------------------------------------
-KV_HELD, KV_OWN = "held", "own"
+KV_HELD, KV_OWN = plugin.KV_HELD, plugin.KV_OWN
 
 
 def kv_taken(v: ReplicaView, skip: int | None) -> int | None:
@@ -142,10 +143,6 @@ def late_gate(v: ReplicaView) -> tuple[bool, str]:
     if cur.kv != KV_HELD:
         return False, "the serving generation does not map a held KV cache"
     return late_gate_fits(fit_with_kv(cur, cur.fit))
-
-
-def late_ok(v: ReplicaView) -> bool:
-    return late_gate(v)[0]
 
 
 def park_within(v: ReplicaView, g: GenView) -> float:

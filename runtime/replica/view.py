@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from vllm_guard.core.config import GuardConfig
+from vllm_guard.core.plugin import KV_HELD
 from vllm_guard.core.ledger import EndClass
 
 from ..child.death import Death
@@ -77,7 +78,7 @@ class GenView:
     @property
     def maps_held_kv(self) -> bool:
         """It maps (or will map) the holder's KV cache and is not gone: nothing else may compute on it."""
-        return self.kv == "held" and self.phase is not GenPhase.DONE and not self.gone
+        return self.kv == KV_HELD and self.phase is not GenPhase.DONE and not self.gone
 
     @property
     def died(self) -> bool:
@@ -172,7 +173,7 @@ class Spawn:
     strategy: str | None = None  # how it comes up: overlap | gated | cold | standby; None: the replica's first
     standby: bool = False  # parks at its gate until it is needed (no limit on how long)
     late: bool = False  # gated: park once ready on the held KV cache (`core.plugin.GATE_AT_VAR`)
-    kv: str = "held"  # held: it may map the holder's KV cache (with a holder); own: another generation computes on it
+    kv: str = KV_HELD  # held: it may map the holder's KV cache (with a holder); own: another generation computes on it
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.gpu import visible_uuids
 from vllm_guard.core.nvml import NvmlSession
 from vllm_guard.core.protocol import (
-    ConfigStatus, KvReport, LedgerHealth, ProbeSummary, ReplicaStatus, RequestCounters, RuntimeState, StandbyStatus, StartPhase,
+    ConfigStatus, LedgerHealth, ProbeSummary, ReplicaStatus, RequestCounters, RuntimeState, StandbyStatus, StartPhase,
     StatusSnapshot,
 )
 
@@ -127,7 +127,7 @@ def replica_status(d: ReplicaDriver, books: RuntimeBooks) -> ReplicaStatus:
         weights_source=gen.weights.source if gen is not None and gen.weights is not None else None,
         weights_note=gen.weights.reason if gen is not None and gen.weights is not None else "",
         holder=d.holder_status(),
-        kv_source=kv.source if (kv := kv_report(gen)) is not None else None,
+        kv_source=kv.source if (kv := gen.kv_report if gen is not None else None) is not None else None,
         kv_note=kv.reason if kv is not None else "",
     )
 
@@ -137,11 +137,6 @@ def standby_status(g: Generation) -> StandbyStatus:
     rss, gpu = g.held_mb if g.held_mb is not None else (None, None)
     return StandbyStatus(generation=g.number, phase="parked" if state == _PARKED else
                          "opened" if state == "opened" else "starting", rss_mb=rss, gpu_mb=gpu, ready=g.late)
-
-
-def kv_report(g: Generation | None) -> KvReport | None:
-    """Where its KV cache came from, as its engine reported."""
-    return g.kv_report if g is not None else None
 
 
 def status_line(s: StatusSnapshot) -> str:
