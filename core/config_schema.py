@@ -121,6 +121,9 @@ class ServerConfig(Section, frozen=True):
     # auto: overlap when two generations fit in memory, else gated pre-start (GPU), else cold
     recycle_strategy: RecycleStrategy = "auto"
     overlap_margin_mb: Megabytes = 1024.0  # headroom kept beyond a second generation's footprint
+    # headroom beyond the serving engine's own GPU memory for a successor that starts whole beside it
+    # on the held weights and KV cache (the late gate); one that does not fit fails alone, the recycle goes cold
+    late_gate_margin_mb: Megabytes = 256.0
     gate_timeout: Seconds = 300.0  # a gated next generation must reach its gate by then
     # auto: once a generation serves, its next one starts and parks at the startup gate while host RAM
     # allows (a crash then restarts from the gate; a recycle uses it); off: none

@@ -136,9 +136,12 @@ def test_patched_failed_add_request_releases_the_state(results: dict[str, dict[s
 def test_cancels_leave_no_state_on_this_vllm(results: dict[str, dict[str, Any]]) -> None:
     """vLLM 0.32.0 never suspends inside add_request after registering (the engine send completes
     at once), so a cancel lands before the registration or after the caller got its collector."""
+    leak = results["off"]["error"]["slope"]  # what one registered state weighs; a cancel's leak: ~0.6 of it
     for name in ("off", "on"):
         c = results[name]["cancel"]
-        assert c["slope"] < results["off"]["error"]["slope"] / 4, (name, c)  # a leak: ~0.6 of it
+        # USS after a cancel storm wanders by tens of KB per cancel on a loaded box (allocator, sockets;
+        # 36 KB +7..92 seen in CI): the estimate stays below half a leak, its lower bound below a quarter
+        assert c["slope"] < leak / 2 and c["lo"] < leak / 4, (name, c, leak)
     d = results["on"]["report"]["details"]["add-request-abort"]
     assert d["calls"] > 2 + results["on"]["sent_failing"]  # some cancels reached add_request
     assert d["cancelled_calls"] == 0

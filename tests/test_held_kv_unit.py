@@ -25,6 +25,7 @@ import pytest
 
 from test_holder_unit import client, engine_that_maps, holder  # noqa: F401 - `holder`: the real holder process, per device
 from test_replica_machine import NOW, facts, gen, kinds, view_of
+from vllm_guard.core import config_schema
 from vllm_guard.core import holder as contract
 from vllm_guard.core import plugin as plugin_contract
 from vllm_guard.patches import held_kv
@@ -196,11 +197,24 @@ def test_a_held_kv_cache_is_counted_for_an_overlap_and_lets_a_late_gate_fit() ->
     ok, why = late_gate_fits(held)
     assert ok and "own 1.3 GiB" in why, why
     assert not late_gate_fits(FIT)[0], "no held KV cache: nothing to park ready on"
-    assert not late_gate_fits(replace(held, gpu_free_mb=2 * GIB))[0]
+    assert not late_gate_fits(replace(held, gpu_free_mb=1.5 * GIB))[0]
     # vLLM's start check counts what the engine maps from the holder as its own (`held-kv`)
     assert late_gate_fits(replace(held, vllm_free_mb=10 * GIB))[0]
     assert "start check" in late_gate_fits(replace(held, vllm_free_mb=5 * GIB))[1]
     assert late_gate_fits(replace(held, vllm_free_mb=5 * GIB, weights_held_mb=12 * GIB))[0]
+
+
+def test_the_late_gate_has_a_margin_of_its_own() -> None:
+    """Measured on the H100 with the 7B shape on a 24 GiB budget: 2 535 MiB free beside a serving
+    engine that held 1 938 MiB of its own; a late start peaked at 1 978 MiB. The overlap's 1 GiB
+    margin said no; the late gate's default says yes, and its own figure is what decides."""
+    shape = replace(FIT, gpu_free_mb=2535.0, gpu_footprint_mb=1938.0, kv_held_mb=6 * GIB)
+    assert not overlap_fits(shape)[0]
+    ok, why = late_gate_fits(shape)
+    assert ok and "256 MiB margin" in why, why
+    assert not late_gate_fits(replace(shape, late_margin_mb=1024.0))[0]
+    assert MemoryFit(host_available_mb=0, host_footprint_mb=None).late_margin_mb == \
+        config_schema.ServerConfig().late_gate_margin_mb == 256.0
 
 
 def serving_with_held_kv(**kw: Any) -> Any:
@@ -225,6 +239,11 @@ def test_a_gated_successor_parks_ready_where_the_serving_one_maps_the_held_kv_ca
     v = replace(v, facts=facts(nvml=False))
     spawn = kinds(decide(v, RecycleCmd(reason="t"), NOW), Spawn)
     assert spawn and not spawn[0].late, "no GPU readings: it parks before CUDA as ever"
+
+    v = replace(serving_with_held_kv(), facts=facts(nvml=True, standby_failures=1))
+    d = decide(v, RecycleCmd(reason="t"), NOW)
+    spawn = kinds(d, Spawn)
+    assert spawn and spawn[0].gated and not spawn[0].late, "a late start was lost: the next one parks before CUDA"
 
 
 def test_an_overlap_successor_takes_its_own_kv_cache_while_the_serving_one_maps_the_held_one() -> None:

@@ -114,7 +114,8 @@ def memory_fit(cfg: GuardConfig, reading: MemoryReading | None, devices: Mapping
         # the API server and an EngineCore, both fully imported (+ the weights it prestaged)
         parked = 2 * api[0] + prestaged_mb if api else None
     fit = MemoryFit(host_available_mb=avail, host_footprint_mb=footprint, parked_mb=parked,
-                    margin_mb=cfg.server.overlap_margin_mb, gate_unavailable=gate_unavailable)
+                    margin_mb=cfg.server.overlap_margin_mb, late_margin_mb=cfg.server.late_gate_margin_mb,
+                    gate_unavailable=gate_unavailable)
     mine = [devices[u] for u in uuids if u in devices]
     if not mine:
         return fit
@@ -126,7 +127,7 @@ def memory_fit(cfg: GuardConfig, reading: MemoryReading | None, devices: Mapping
         per_gpu = reading.gpu_mb / len(mine)
     return MemoryFit(
         host_available_mb=avail, host_footprint_mb=footprint, parked_mb=parked, margin_mb=fit.margin_mb,
-        gate_unavailable=gate_unavailable,
+        late_margin_mb=fit.late_margin_mb, gate_unavailable=gate_unavailable,
         gpu_free_mb=min(t - used for t, (used, _) in zip(totals, mine)), gpu_total_mb=min(totals),
         gpu_footprint_mb=per_gpu,
         vllm_free_mb=min(total - used for used, total in mine), vllm_needs_mb=max(util * total for _, total in mine),

@@ -142,6 +142,8 @@ def late_gate(v: ReplicaView) -> tuple[bool, str]:
         return False, "no GPU memory reading of the serving generation"
     if cur.kv != KV_HELD:
         return False, "the serving generation does not map a held KV cache"
+    if v.facts.standby_failures:  # a late start that did not fit fails alone: the next one parks before CUDA
+        return False, f"the last {v.facts.standby_failures} standby(s) were lost before they were needed"
     return late_gate_fits(fit_with_kv(cur, cur.fit))
 
 

@@ -56,6 +56,7 @@ class MemoryFit:
     vllm_free_mb: float | None = None  # free memory as vLLM's own start check sees it (device level)
     vllm_needs_mb: float | None = None  # gpu_memory_utilization x device total
     margin_mb: float = 1024.0
+    late_margin_mb: float = 256.0  # `[server] late_gate_margin_mb`: beyond an engine's own memory (`late_gate_fits`)
     gate_unavailable: str | None = None  # why this vLLM cannot park (an earlier try said so)
     kv_held_mb: float = 0.0  # the KV cache the serving generation maps from the holder: a successor computing beside it needs its own
     weights_held_mb: float = 0.0  # the weights it maps from the holder (vLLM's start check counts them as the engine's: `held-kv`)
@@ -127,14 +128,17 @@ def late_gate_fits(m: MemoryFit) -> tuple[bool, str]:
     """Whether a gated successor may start whole beside the serving generation, parking once
     ready: it maps the held weights and the held KV cache, so what it needs of its own is what
     the serving generation's engine holds of its own (activations, graphs: NVML counts mapped
-    memory to the holder), and vLLM's start check must pass beside it."""
+    memory to the holder), and vLLM's start check must pass beside it. The margin is smaller than
+    an overlap's: the need is measured on an engine of the same arguments (a start's peak was
+    within 62 MiB of it on the 7B shape), and one that does not fit fails alone, before the
+    serving generation stops (the recycle then goes on cold)."""
     if not m.kv_held_mb:
         return False, "the serving generation does not map a held KV cache"
     if m.gpu_free_mb is None or m.gpu_footprint_mb is None:
         return False, "no GPU memory reading of the serving generation"
     gpu = (f"GPU free {_mb(m.gpu_free_mb)} vs its engine's own {_mb(m.gpu_footprint_mb)} + "
-           f"{_mb(m.margin_mb)} margin")
-    if m.gpu_free_mb < m.gpu_footprint_mb + m.margin_mb:
+           f"{_mb(m.late_margin_mb)} margin")
+    if m.gpu_free_mb < m.gpu_footprint_mb + m.late_margin_mb:
         return False, gpu
     held = m.kv_held_mb + m.weights_held_mb  # the engine's check counts what it maps as its own (`held-kv`)
     if m.vllm_needs_mb is not None and m.vllm_free_mb is not None and m.vllm_free_mb + held < m.vllm_needs_mb:
