@@ -33,7 +33,7 @@ from vllm_guard.runtime.child.holder import HolderProcess
 from vllm_guard.runtime.replica.decide import decide
 from vllm_guard.runtime.replica.machine import State
 from vllm_guard.runtime.replica.strategy import MemoryFit, late_gate_fits, overlap_fits
-from vllm_guard.runtime.replica.view import Abandon, GenPhase, OpenGate, RecycleCmd, Spawn, Tick
+from vllm_guard.runtime.replica.view import Abandon, GenPhase, LearnStandby, OpenGate, RecycleCmd, Spawn, Tick
 
 torch = pytest.importorskip("torch")
 S = State
@@ -293,3 +293,37 @@ def test_a_late_gate_opens_without_waiting_for_gpu_room_once_nothing_else_maps_t
     assert kinds(decide(v, Tick(), NOW), OpenGate) == [OpenGate(2, kv="own")]
     gone = replace(other, phase=GenPhase.DONE)
     assert kinds(decide(opening(late, retiring=(gone,)), Tick(), NOW), OpenGate) == [OpenGate(2, kv="held")]
+
+
+# -- a late standby and a leak: its memory is the room the serving generation grows into ---------
+def standby_beside(to_limit_s: float | None, gate: str | None) -> Any:
+    v = serving_with_held_kv(to_limit_s=to_limit_s)
+    late = gen(2, GenPhase.BOOTING, gated=True, gate=gate, beside=True, standby=True, kv="held", late=True,
+               kv_mb=6 * GIB)
+    return replace(v, machine=replace(v.machine, state=S.STANDBY), successor=late)
+
+
+def test_a_growing_generation_gets_no_late_standby_and_one_starting_is_set_aside() -> None:
+    v = serving_with_held_kv(to_limit_s=120.0)  # a leak: its memory runs out in two minutes
+    spawn = kinds(decide(v, RecycleCmd(reason="t"), NOW), Spawn)
+    assert spawn and spawn[0].gated and not spawn[0].late, "a successor beside it would take its room"
+    assert kinds(decide(serving_with_held_kv(to_limit_s=3600.0), RecycleCmd(reason="t"), NOW), Spawn)[0].late
+
+    d = decide(standby_beside(120.0, None), Tick(), NOW)
+    gone = kinds(d, Abandon)
+    assert gone and "runs out in 120 s" in gone[0].why, d.effects
+    assert [e.failed for e in kinds(d, LearnStandby)] == [True], "the next standby parks before CUDA"
+    assert d.machine.state is S.SERVING
+
+    d = decide(standby_beside(3600.0, None), Tick(), NOW)  # slow growth: it goes on starting
+    assert not kinds(d, Abandon) and d.machine.state is S.STANDBY
+
+
+def test_a_parked_late_standby_takes_over_before_the_growing_generation_runs_out() -> None:
+    d = decide(standby_beside(30.0, "parked"), Tick(), NOW)
+    rec = d.machine.recycle
+    assert rec is not None and rec.reason == "gpu_memory_forecast" and rec.strategy == "gated", d.effects
+    assert not kinds(d, Abandon), "the standby it recycles onto is kept"
+    for slow in (None, 120.0):  # no growth, or room for more than a minute: it waits for its trigger
+        d = decide(standby_beside(slow, "parked"), Tick(), NOW)
+        assert d.machine.recycle is None and d.machine.state is S.STANDBY, (slow, d.effects)

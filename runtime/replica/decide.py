@@ -44,7 +44,7 @@ from . import triggers
 from .machine import BOOTING_STATES, SERVING_STATES, State, Wanted
 from .steps import (
     KILL_WAIT_S, KV_HELD, KV_OWN, Out, add_failure, begin_or_wait, begin_recycle, check_limit, drain_current,
-    exit_words, fail, gate_span, hand_over, kill_failed, kv_taken, late_gate, need, never_parked, number_of,
+    exit_words, fail, gate_span, hand_over, kill_failed, kv_taken, late_gate, late_room, need, never_parked, number_of,
     park_within, set_aside, start_cold, start_failure, stop_span, stopped_or_held, successor_failed, successor_lost,
     switch_over, unready_or_drain, wait_why, waiting_words,
 )
@@ -216,8 +216,19 @@ def _standby(v: ReplicaView, now: float, out: Out) -> None:
         out.add(Abandon(f"standby {why}"), log("standby_replaced", replica=f.index, generation=nxt.number, why=why))
         out.to(S.SERVING, now)
         return
+    cur = need(v.current, "a standby with no serving generation")
+    if nxt.late and nxt.gate != "parked" and (why := late_room(cur, parked=False)) is not None:
+        # it would take the room the serving one grows into: given up; the next one parks before CUDA
+        out.add(Abandon(f"standby set aside: {why}"), LearnStandby(failed=True),
+                log("standby_set_aside", "warning", replica=f.index, generation=nxt.number, why=why))
+        out.to(S.SERVING, now)
+        return
     if nxt.gate == "parked" and f.standby_failures:
         out.add(LearnStandby(failed=False))
+    if nxt.late and nxt.gate == "parked" and f.hold is None and not f.stopping \
+            and late_room(cur, parked=True) is not None:
+        begin_or_wait(v, now, out, triggers.GPU_MEMORY_FORECAST, EndClass.PREVENTIVE, None)
+        return
     if f.hold is None and not f.stopping:
         t = _trigger(v, now)
         if t is not None:

@@ -144,7 +144,25 @@ def late_gate(v: ReplicaView) -> tuple[bool, str]:
         return False, "the serving generation does not map a held KV cache"
     if v.facts.standby_failures:  # a late start that did not fit fails alone: the next one parks before CUDA
         return False, f"the last {v.facts.standby_failures} standby(s) were lost before they were needed"
+    if (why := late_room(cur, parked=False)) is not None:
+        return False, why
     return late_gate_fits(fit_with_kv(cur, cur.fit))
+
+
+# A late standby holds GPU memory beside the serving generation: the room a leak would grow into.
+LATE_START_ROOM_S = 300.0  # one still starting is given up when the serving one's memory runs out sooner
+LATE_PARKED_ROOM_S = 60.0  # one parked ready is used (a preventive recycle) when it runs out sooner
+
+
+def late_room(cur: GenView, parked: bool) -> str | None:
+    """Why the serving generation `cur` has no room left for a late standby beside it, or None:
+    its GPU memory grows and the forecast (`to_limit_s`, the device's free memory over its growth
+    rate, which counts what the standby holds) runs out within the horizon."""
+    room = LATE_PARKED_ROOM_S if parked else LATE_START_ROOM_S
+    if cur.to_limit_s is None or cur.to_limit_s >= room:
+        return None
+    return (f"generation {cur.number}'s memory grows and runs out in {cur.to_limit_s:.0f} s at this rate "
+            f"(under {room:.0f} s)")
 
 
 def park_within(v: ReplicaView, g: GenView) -> float:

@@ -28,6 +28,7 @@ from ..frontdoor.target import limit_reached
 MAX_REQUESTS = "max_requests"
 MAX_UPTIME = "max_uptime"
 GPU_MEMORY_GROWTH = "gpu_memory_growth"
+GPU_MEMORY_FORECAST = "gpu_memory_forecast"  # a standby parked ready beside a generation whose memory runs out (`decide`)
 HOST_RSS_GROWTH = "host_rss_growth"
 IDLE_OPPORTUNISTIC = "idle_opportunistic"
 
