@@ -190,7 +190,7 @@ class HeldKv:
 
             def initialize_then_park(core: Any, *a: Any, **kw: Any) -> Any:
                 out = orig_init(core, *a, **kw)
-                patch.park_once("ready: KV cache mapped, CUDA graphs captured")
+                patch.park_once("ready: KV cache set up, model warmed up (graphs captured on a GPU)")
                 return out
 
             EngineCore._initialize_kv_caches = initialize_then_park  # type: ignore[method-assign]

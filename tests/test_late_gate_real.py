@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+import psutil
 import pytest
 
 from conftest import CHILD_ENV, VLLM_ARGS
@@ -67,7 +68,11 @@ def test_a_late_gated_engine_parks_ready_on_the_held_kv_cache_and_serves_once_op
             time.sleep(0.5)
         assert rep.stage.startswith("ready"), rep  # not before CUDA: after its KV set-up
         st = asyncio.run(holder.stat())
-        assert st is not None and st.kv_bytes >= KV_BYTES and rep.pid in st.kv_mappers, st
+        assert srv.proc is not None
+        tree = {p.pid for p in psutil.Process(srv.proc.pid).children(recursive=True)}
+        assert rep.pid in tree, "the gate's engine is not this server's"
+        # the worker that holds the cache maps it (vLLM-CPU sizes it by VLLM_CPU_KVCACHE_SPACE)
+        assert st is not None and st.kv_bytes > 0 and st.kv_mappers and set(st.kv_mappers) <= tree, st
         reports = plugin.read_states(srv.state, 1)
         kv = [r.kv for r in reports.values() if r.kv is not None]
         assert kv and kv[0].source == "held" and kv[0].bytes == st.kv_bytes, kv
@@ -93,4 +98,4 @@ def test_a_late_gated_engine_parks_ready_on_the_held_kv_cache_and_serves_once_op
     end = time.monotonic() + 60
     while (st := asyncio.run(holder.stat())) is not None and st.kv_mappers and time.monotonic() < end:
         time.sleep(0.5)
-    assert st is not None and not st.kv_mappers and st.kv_bytes >= KV_BYTES, st
+    assert st is not None and not st.kv_mappers and st.kv_bytes == kv[0].bytes, st
