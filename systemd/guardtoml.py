@@ -90,6 +90,8 @@ HELP: dict[str, dict[str, str]] = {
                             "else cold), \"overlap\", \"gated\" or \"cold\" (docs/RUNTIME.md)",
         "overlap_margin_mb": "headroom (GPU and host RAM) kept beyond a second generation's footprint "
                              "before overlap is chosen",
+        "late_gate_margin_mb": "GPU headroom beyond the serving engine's own memory before a gated successor or the "
+                               "standby starts whole beside it on the held weights and KV cache (the late gate)",
         "gate_timeout": "a gated next generation must reach its gate (before CUDA) within this time",
         "standby": "auto: keep the next generation parked at its startup gate while RAM allows (a crash restarts "
                    "from the gate, a recycle uses it); off: none",
