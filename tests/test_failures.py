@@ -135,6 +135,7 @@ async def storm(srv: GuardServer, n: int, max_tokens: int, fault: Any, after_fau
         return list(await asyncio.gather(*first)), list(await asyncio.gather(*later)), t_fault
 
 
+@pytest.mark.long  # depth (~2 min on 2 cores): the hang rule's starved case is in the rules' unit tests
 def test_a_starved_engine_that_keeps_moving_is_not_a_hang(srv: GuardServer, poller: StatusPoller) -> None:
     """Every sequence slot taken by long streams: the 1-token probe waits behind them and times
     out, but vLLM's token counters move, so no probe counts toward a hang."""

@@ -216,6 +216,7 @@ def test_a_client_that_leaves_stops_its_generation_in_vllm(guard: Guard) -> None
 
 
 # -- 3. a held SQLite lock ---------------------------------------------------------------------------
+@pytest.mark.long  # depth (~3 min on 2 cores): a held lock under the ledger itself is in test_runtime_ledger.py
 def test_a_held_sqlite_lock_neither_stalls_streams_nor_stops_a_recycle(guard: Guard) -> None:
     hold_s = 15.0
     gen0 = guard.srv.status()["generation"]
@@ -301,6 +302,7 @@ def fill(fs: Path) -> Path:
     return path
 
 
+@pytest.mark.long  # depth (~3 min on 2 cores): a full disk under the ledger is in test_faults_ledger.py
 def test_a_full_disk_delays_the_ledger_not_serving_and_it_catches_up(guard: Guard) -> None:
     if guard.fs is None:
         pytest.skip("the state dir is not on a tmpfs of its own (mounting one needs root)")

@@ -143,6 +143,7 @@ def test_an_upgrade_refuses_no_connection_and_the_next_runtime_adopts_vllm(
             b.stop()
 
 
+@pytest.mark.long  # depth (~2.5 min on 2 cores): the plain upgrade and adoption stay in the CI tier
 @pytest.mark.timeout(900)
 def test_a_runtime_with_another_configuration_adopts_then_recycles_onto_its_own(
         tiny_model: str, tmp_path: Path, held_socket: socket.socket) -> None:
