@@ -31,7 +31,8 @@ test: venv
 # `make test` holds every promise the README makes (CI: .ci/run, which also runs `make demo`).
 # The long tier adds what needs minutes by nature: the soak journeys, leak attribution and the
 # upstream-leak report on real leaks, prestaged weights, HAProxy's delay without a lead time, and
-# the demo as a test (~20 min on 2 cores).
+# the demo as a test, and depth runs whose units are in `make test` (a full disk and a held SQLite
+# lock under a serving guard, an adoption with another configuration, a starved engine: ~10 min of it).
 test-long: venv
 	bash .ci/system-deps
 	$(PY) -m pytest -m "long" -p no:cacheprovider
