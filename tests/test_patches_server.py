@@ -249,6 +249,11 @@ class TestAudited:
             for _ in range(3):  # a pause of the whole box stops the load too: such a stretch is redone
                 time.sleep(IDLE_S + 1.5)  # the previous idle period has had its release
                 before = releases()
+                for _ in range(15):  # ... and written it: a loaded box's worker may write it seconds late
+                    time.sleep(2.0)
+                    if (now := releases()) == before:
+                        break
+                    before = now
                 t0, t1 = busy_stretch()
                 if witness.frozen_within(t0, t1) < 1.0:
                     break

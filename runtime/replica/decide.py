@@ -217,10 +217,10 @@ def _standby(v: ReplicaView, now: float, out: Out) -> None:
         out.to(S.SERVING, now)
         return
     cur = need(v.current, "a standby with no serving generation")
-    if nxt.late and nxt.gate != "parked" and (why := late_room(cur, parked=False)) is not None:
+    if nxt.late and nxt.gate != "parked" and (room := late_room(cur, parked=False)) is not None:
         # it would take the room the serving one grows into: given up; the next one parks before CUDA
-        out.add(Abandon(f"standby set aside: {why}"), LearnStandby(failed=True),
-                log("standby_set_aside", "warning", replica=f.index, generation=nxt.number, why=why))
+        out.add(Abandon(f"standby set aside: {room}"), LearnStandby(failed=True),
+                log("standby_set_aside", "warning", replica=f.index, generation=nxt.number, why=room))
         out.to(S.SERVING, now)
         return
     if nxt.gate == "parked" and f.standby_failures:
