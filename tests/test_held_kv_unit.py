@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from test_holder_unit import client, engine_that_maps, holder  # noqa: F401 - `holder`: the real holder process, per device
+from replica_world import tweak
 from test_replica_machine import NOW, facts, gen, kinds, view_of
 from vllm_guard.core import config_schema
 from vllm_guard.core import holder as contract
@@ -251,6 +252,25 @@ def test_an_overlap_successor_takes_its_own_kv_cache_while_the_serving_one_maps_
     d = decide(v, RecycleCmd(reason="t"), NOW)
     spawn = kinds(d, Spawn)
     assert spawn and not spawn[0].gated and spawn[0].kv == "own", d.effects
+
+
+def test_where_two_generations_fit_the_standby_parks_before_cuda_to_open_beside_the_serving_one() -> None:
+    """On a large budget a standby parked ready on the held KV cache could take over only after the
+    old generation is gone (1.6 s on the 7B shape); one parked before CUDA opens beside it: 0 s."""
+    roomy = serving_with_held_kv(fit=replace(FIT, gpu_free_mb=40 * GIB))
+    d = decide(roomy, Tick(), NOW)
+    spawn = kinds(d, Spawn)
+    assert spawn and spawn[0].standby and spawn[0].gated and not spawn[0].late, d.effects
+    assert d.machine.state is S.STANDBY
+    spawn = kinds(decide(serving_with_held_kv(), Tick(), NOW), Spawn)  # the 24 GiB shape: two do not fit
+    assert spawn and spawn[0].standby and spawn[0].late, spawn
+
+    d = decide(roomy, RecycleCmd(reason="t", strategy="gated"), NOW)  # gated asked for: parked ready
+    spawn = kinds(d, Spawn)
+    assert spawn and spawn[0].gated and spawn[0].late, d.effects
+    gated = tweak(facts().cfg, "server", recycle_strategy="gated")
+    spawn = kinds(decide(replace(roomy, facts=facts(nvml=True, cfg=gated)), Tick(), NOW), Spawn)
+    assert spawn and spawn[0].standby and spawn[0].late, "[server] recycle_strategy = gated: no overlap to open"
 
 
 def test_a_late_standby_is_never_opened_beside_the_serving_generation() -> None:
