@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 from replica_world import GIB, Plan, World, run, tweak
@@ -611,6 +612,28 @@ def test_a_standby_on_the_held_kv_cache_parks_ready_and_a_recycle_and_a_crash_op
         assert w.books.failures.total == 1
 
     run(tmp_path, scenario, standby_cfg())
+
+
+def test_on_a_card_where_two_fit_the_standby_parks_before_cuda_and_opens_beside_the_serving_one(
+        tmp_path: Path) -> None:
+    """With a holder on a large card the serving generation maps the held KV cache, but two whole
+    generations fit: the standby parks before CUDA, and the recycle opens its gate beside the
+    serving one with a KV cache of its own (an overlap: 0 s). Parked ready on the held KV cache it
+    could only have taken over once the old generation was gone (1.6 s on an H100)."""
+    async def scenario(w: World) -> None:
+        w.nvml, w.kv_holder, w.fit = True, True, replace(KV_FIT, gpu_free_mb=40 * GIB)
+        w.plans = [Plan(), Plan(park_s=5.0, after_gate_s=0.5), Plan(park_s=5.0)]
+        await w.run_until(lambda: w.number >= 2 and w.gen(2).gate_report is not None)
+        assert w.spawned[:2] == [(1, False, "held"), (2, False, "held")], w.spawned
+        d = await w.command(RecycleCmd("test"))
+        assert d.reply.accepted
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
+        assert plugin_contract.gate_kv(w.gen(2).gate) == "own", "beside a generation on the held KV cache"
+        assert S.OVERLAP_STARTING in w.states() and S.DRAINING not in w.states()[:-1], w.states()
+        assert not w.books.failures.total
+
+    w = run(tmp_path, scenario, standby_cfg())
+    assert rows(w, "SELECT strategy, downtime_s FROM recycles") == [("overlap", 0.0)]
 
 
 def test_a_late_standby_beside_a_leak_is_used_early_or_given_up(tmp_path: Path) -> None:
