@@ -10,6 +10,7 @@ Scenarios (vLLM's defaults: compiled, CUDA graphs; `--vllm-args` adds to them):
 - `gated24`: a 24 GiB budget and `--max-requests`: two generations do not fit; `auto` parks the
   next one (the standby, `[server] standby = auto`) and opens its gate once the old one is gone;
 - `kills24`: a 24 GiB budget, no recycles, `kill -9` of EngineCore at each of `--kill-at`;
+- `kills80`: the same on an 80 GiB budget (where the standby parks ready on a KV cache of its own);
 - `replicas2`: two replicas on the one GPU, cold recycles at `--max-requests`.
 The watchdog runs beside every guarded server (live NVML, `--dry-run`: it records, the runtime
 acts), writing into the same ledger.
@@ -194,6 +195,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "overlap80": {"budget": 80, "max_requests": 300},
     "gated24": {"budget": 24, "max_requests": 300},
     "kills24": {"budget": 24, "kills": True},
+    "kills80": {"budget": 80, "kills": True},
     "replicas2": {"budget": 0, "max_requests": 300, "replicas": 2, "strategy": "cold"},
 }
 
@@ -300,7 +302,7 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=10.0)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--kill-at", type=float, nargs="*", default=[60.0, 120.0], help="seconds into the run (kills24)")
+    p.add_argument("--kill-at", type=float, nargs="*", default=[60.0, 120.0], help="seconds into the run (kills24, kills80)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--bench-timeout", type=float, default=1200.0)
     p.add_argument("--vllm-args", default="", help="more vLLM arguments, one string")

@@ -208,8 +208,9 @@ HELD_KV = PatchDef(
     summary="only where the runtime asks (VLLM_GUARD_KV=held, a replica holder): the KV cache allocation "
             "(0.25 GPUModelRunner._allocate_kv_cache_tensors, 0.32 allocate_kv_cache) takes the holder's raw "
             "buffers (CUDA IPC), the same bytes for each generation that never computes beside another; a "
-            "late-gated engine (VLLM_GUARD_GATE_AT=ready) parks after EngineCore._initialize_kv_caches, or "
-            "before allocating its own; any error is its own allocation",
+            "late-gated engine (VLLM_GUARD_GATE_AT=ready) parks after EngineCore._initialize_kv_caches (on its "
+            "own KV cache where the runtime asks for it: VLLM_GUARD_KV=own), or before allocating its own when the "
+            "held one was asked for and not had; any error is its own allocation",
     min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("engine_core", "worker"),
     targets=(T_KV_METHOD,),
 )

@@ -10,8 +10,9 @@ What it buys is the late gate (`core.plugin.GATE_AT_VAR` = ready): a gated succe
 maps the weights and the KV cache while the old generation serves, captures its CUDA graphs
 (which bake in the KV cache's addresses) and parks just before it tells its API server it is
 ready; after the old one is gone only the handshake, the API server's start and /health remain.
-A late-gated engine that did not get the held KV parks before it allocates its own instead:
-never beside a serving generation.
+A late-gated engine asked for the held KV cache that did not get it parks before it allocates
+its own instead: never beside a serving generation. One asked for its own (the runtime does so
+only where two whole generations fit) allocates it and parks ready all the same.
 
 One version-gated wrap for each shape of the allocation:
 - vLLM 0.25: `GPUModelRunner._allocate_kv_cache_tensors(kv_cache_config)` and, in its model
@@ -264,7 +265,7 @@ class HeldKv:
             except Exception as e:  # noqa: BLE001 - no held KV: its own, as vLLM would
                 why = f"the holder's KV cache: {type(e).__name__}: {e}"
         if not buffers:
-            if late():
+            if late() and asked():  # the held one was asked for and not had: never its own beside another
                 self.park_once("before its own KV cache (no held one)")
             out = orig()
             self._say(KvReport(source="own", reason=why, bytes=sum(sizes), seconds=round(time.monotonic() - t0, 3)))

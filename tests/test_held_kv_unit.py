@@ -254,23 +254,44 @@ def test_an_overlap_successor_takes_its_own_kv_cache_while_the_serving_one_maps_
     assert spawn and not spawn[0].gated and spawn[0].kv == "own", d.effects
 
 
-def test_where_two_generations_fit_the_standby_parks_before_cuda_to_open_beside_the_serving_one() -> None:
+def test_where_two_generations_fit_the_standby_parks_ready_on_a_kv_cache_of_its_own() -> None:
     """On a large budget a standby parked ready on the held KV cache could take over only after the
-    old generation is gone (1.6 s on the 7B shape); one parked before CUDA opens beside it: 0 s."""
+    old generation is gone (1.6 s on the 7B shape); one parked ready on its own opens beside it."""
     roomy = serving_with_held_kv(fit=replace(FIT, gpu_free_mb=40 * GIB))
     d = decide(roomy, Tick(), NOW)
     spawn = kinds(d, Spawn)
-    assert spawn and spawn[0].standby and spawn[0].gated and not spawn[0].late, d.effects
+    assert spawn and spawn[0].standby and spawn[0].gated and spawn[0].late and spawn[0].kv == "own", d.effects
     assert d.machine.state is S.STANDBY
+    on_own = replace(roomy, current=replace(roomy.current, kv="own", kv_mb=0.0))
+    spawn = kinds(decide(on_own, Tick(), NOW), Spawn)
+    assert spawn and spawn[0].late and spawn[0].kv == "held", "the held KV cache is free: it takes that one"
     spawn = kinds(decide(serving_with_held_kv(), Tick(), NOW), Spawn)  # the 24 GiB shape: two do not fit
-    assert spawn and spawn[0].standby and spawn[0].late, spawn
+    assert spawn and spawn[0].standby and spawn[0].late and spawn[0].kv == "held", spawn
+    spawn = kinds(decide(replace(roomy, facts=facts(nvml=True, standby_failures=1)), Tick(), NOW), Spawn)
+    assert spawn and not spawn[0].late, "a standby was lost: the next one parks before CUDA"
 
-    d = decide(roomy, RecycleCmd(reason="t", strategy="gated"), NOW)  # gated asked for: parked ready
+    d = decide(roomy, RecycleCmd(reason="t", strategy="gated"), NOW)  # gated asked for: on the held one
     spawn = kinds(d, Spawn)
-    assert spawn and spawn[0].gated and spawn[0].late, d.effects
+    assert spawn and spawn[0].gated and spawn[0].late and spawn[0].kv == "held", d.effects
     gated = tweak(facts().cfg, "server", recycle_strategy="gated")
     spawn = kinds(decide(replace(roomy, facts=facts(nvml=True, cfg=gated)), Tick(), NOW), Spawn)
-    assert spawn and spawn[0].standby and spawn[0].late, "[server] recycle_strategy = gated: no overlap to open"
+    assert spawn and spawn[0].standby and spawn[0].late and spawn[0].kv == "held", "no overlap to open"
+
+
+def test_a_standby_parked_ready_on_its_own_kv_cache_opens_beside_the_serving_one() -> None:
+    own = gen(2, GenPhase.BOOTING, gated=True, gate="parked", beside=True, standby=True, kv="own", late=True)
+    for free in (40 * GIB, 3.5 * GIB):  # it holds its memory already: the readings' room does not matter
+        v = serving_with_held_kv(fit=replace(FIT, gpu_free_mb=free))
+        v = replace(v, machine=replace(v.machine, state=S.STANDBY), successor=own)
+        d = decide(v, RecycleCmd(reason="t"), NOW)
+        assert kinds(d, OpenGate) == [OpenGate(2, kv="own")], (free, d.effects)
+        assert d.machine.state is S.OVERLAP_STARTING and d.machine.recycle.strategy == "overlap", d.machine
+    d = decide(v, RecycleCmd(reason="t", strategy="gated"), NOW)
+    assert not kinds(d, OpenGate) and d.machine.recycle.strategy == "gated", "gated asked for: after the old one"
+
+    crashed = gen(1, GenPhase.DRAINING, kv="held")  # still maps the held KV cache: not the standby's
+    d = decide(opening(own, retiring=(crashed,)), Tick(), NOW)
+    assert kinds(d, OpenGate) and d.machine.state is S.PAST_GATE, "a crash waited on a KV cache it does not map"
 
 
 def test_a_late_standby_is_never_opened_beside_the_serving_generation() -> None:

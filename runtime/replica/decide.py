@@ -44,9 +44,9 @@ from . import triggers
 from .machine import BOOTING_STATES, SERVING_STATES, State, Wanted
 from .steps import (
     KILL_WAIT_S, KV_HELD, KV_OWN, Out, add_failure, begin_or_wait, begin_recycle, check_limit, drain_current,
-    exit_words, fail, gate_span, hand_over, kill_failed, kv_taken, late_gate, late_room, need, never_parked, number_of,
-    park_within, set_aside, start_cold, start_failure, stop_span, stopped_or_held, successor_failed, successor_lost,
-    switch_over, unready_or_drain, wait_why, waiting_words,
+    exit_words, fail, gate_span, hand_over, kill_failed, kv_taken, late_room, need, never_parked, number_of,
+    park_within, set_aside, standby_gate, start_cold, start_failure, stop_span, stopped_or_held, successor_failed,
+    successor_lost, switch_over, unready_or_drain, wait_why, waiting_words,
 )
 from .orders import hold_cmd, recycle_cmd, release_cmd, restart_cmd, stop_cmd
 from .strategy import Strategy, gated_fits
@@ -164,10 +164,10 @@ def _serving(v: ReplicaView, now: float, out: Out) -> None:
             if t is not None:
                 begin_or_wait(v, now, out, t.reason, t.cls, None)
             elif _standby_wanted(v):
-                late, why = late_gate(v)
-                out.add(Spawn(Slot.SUCCESSOR, gated=True, strategy="standby", standby=True, late=late),
+                late, kv, why = standby_gate(v)
+                out.add(Spawn(Slot.SUCCESSOR, gated=True, strategy="standby", standby=True, late=late, kv=kv),
                         log("standby_starting", replica=v.facts.index, generation=number_of(v.current),
-                            late=late, why=why))
+                            late=late, kv=kv if late else None, why=why))
                 out.to(S.STANDBY, now)
     elif st is S.STANDBY:
         _standby(v, now, out)
@@ -411,7 +411,7 @@ def _opening_gate(v: ReplicaView, now: float, out: Out) -> None:
         out.to(S.PAST_GATE, now, max(1.0, nxt.spawned_at + f.cfg.server.startup_timeout - now))
     elif nxt.gate == "parked":
         waited = v.machine.age(now)
-        taken = kv_taken(v, nxt.number)
+        taken = kv_taken(v, nxt.number) if not nxt.late or nxt.kv == KV_HELD else None  # else its own
         if taken is not None:  # two generations never compute on the held KV cache
             if waited < f.cfg.server.memory_release_timeout:
                 return

@@ -134,26 +134,51 @@ def fit_with_kv(cur: GenView, fit: MemoryFit) -> MemoryFit:
 
 
 def late_gate(v: ReplicaView, requested: str | None = None) -> tuple[bool, str]:
-    """Whether a gated successor or standby may start whole beside the serving generation and park
-    ready (`strategy.late_gate_fits`), and why: the serving one maps the held KV cache, its GPU
-    has the room, and the recycle would not be an overlap. Where two whole generations fit, a
-    standby parks before CUDA instead and its gate opens beside the serving one (0 s without a
-    serving generation); one parked ready on the held KV cache could only take over after the old
-    one is gone (1.6 s measured on the 7B shape). `requested`: the recycle's strategy if a
-    command gave one, else `[server] recycle_strategy`."""
+    """Whether a gated successor or standby may start whole on the held KV cache beside the
+    serving generation and park ready (`strategy.late_gate_fits`), and why: the serving one maps
+    the held KV cache, its GPU has the room, and the recycle would not be an overlap (then the
+    standby parks ready on a KV cache of its own instead: `standby_gate`). `requested`: the
+    recycle's strategy if a command gave one, else `[server] recycle_strategy`."""
     cur = v.current
     if cur is None or cur.fit is None or not v.facts.nvml:
         return False, "no GPU memory reading of the serving generation"
     if cur.kv != KV_HELD:
         return False, "the serving generation does not map a held KV cache"
-    fit = fit_with_kv(cur, cur.fit)
-    if choose(requested or v.facts.cfg.server.recycle_strategy, fit, v.facts.starts).strategy is Strategy.OVERLAP:
-        return False, "two generations fit: the next one starts beside the serving one at the recycle"
     if v.facts.standby_failures:  # a late start that did not fit fails alone: the next one parks before CUDA
         return False, f"the last {v.facts.standby_failures} standby(s) were lost before they were needed"
     if (why := late_room(cur, parked=False)) is not None:
         return False, why
+    fit = fit_with_kv(cur, cur.fit)
+    if choose(requested or v.facts.cfg.server.recycle_strategy, fit, v.facts.starts).strategy is Strategy.OVERLAP:
+        return False, "two generations fit: the next one computes beside the serving one, on a KV cache of its own"
     return late_gate_fits(fit)
+
+
+def standby_gate(v: ReplicaView) -> tuple[bool, str, str]:
+    """Where the standby parks (late: once ready), the KV cache it takes, and why. Where the
+    recycle would be an overlap (two whole generations fit, `auto`), it starts whole on a KV cache
+    no other generation computes on (its own, or the held one when the serving generation has its
+    own) and parks ready: a recycle opens it beside the serving one (0 s without a serving
+    generation, under a second of vLLM's handshake beside it), a crash at once. Parked ready on the
+    serving generation's held KV cache it could take over only after the old one was gone (1.6 s
+    on an H100). Else `late_gate`'s rule, on the held KV cache."""
+    late, why = late_gate(v)
+    cur, f = v.current, v.facts
+    if late or cur is None or cur.fit is None or not f.nvml or f.standby_failures \
+            or late_room(cur, parked=False) is not None:
+        return late, KV_HELD, why
+    choice = choose(f.cfg.server.recycle_strategy, fit_with_kv(cur, cur.fit), f.starts)
+    if choice.strategy is not Strategy.OVERLAP:
+        return late, KV_HELD, why
+    kv = kv_for(v, None)
+    on = "a KV cache of its own" if kv == KV_OWN else "the held KV cache"
+    return True, kv, f"{choice.reason}: it parks ready on {on} and opens beside the serving one"
+
+
+def parked_beside(v: ReplicaView, nxt: GenView | None) -> bool:
+    """Whether the standby `nxt` parked (or parks) ready on a KV cache no other generation
+    computes on: it holds its memory already, so it may open beside the serving one."""
+    return nxt is not None and nxt.late and (nxt.kv != KV_HELD or kv_taken(v, nxt.number) is None)
 
 
 # A late standby holds GPU memory beside the serving generation: the room a leak would grow into.
@@ -188,6 +213,10 @@ def begin_recycle(v: ReplicaView, now: float, out: Out, reason: str, cls: EndCla
     choice = choose(strategy or f.cfg.server.recycle_strategy, fit, f.starts)
     if strategy is not None:
         choice = replace(choice, reason=f"asked for by the command{choice.reason.partition(f'= {strategy}')[2]}")
+    if parked_beside(v, v.successor) and (strategy or f.cfg.server.recycle_strategy) == AUTO \
+            and choice.strategy is not Strategy.OVERLAP:  # it holds its memory already: no room needed
+        choice = replace(choice, strategy=Strategy.OVERLAP,
+                         reason=f"the standby parked ready on a KV cache of its own ({choice.reason})")
     rec = Recycle(reason=reason, cls=cls, strategy=choice.strategy.value, why=choice.reason, started_at=now,
                   generation=cur.number, successor_deadline=successor_deadline(v, reason, now))
     nxt = v.successor  # a standby: it takes over instead of a new start
@@ -196,7 +225,8 @@ def begin_recycle(v: ReplicaView, now: float, out: Out, reason: str, cls: EndCla
         out.add(Abandon(f"a cold recycle was asked for; standby generation {nxt.number} is set aside"),
                 log("standby_set_aside", replica=f.index, generation=nxt.number, why="cold recycle asked for"))
         nxt = None
-    beside_ok = nxt is not None and not nxt.late  # a late standby maps the held KV cache: never beside
+    # never beside: a standby parked ready on the KV cache the serving one computes on
+    beside_ok = nxt is not None and (not nxt.late or parked_beside(v, nxt))
     if nxt is not None and (choice.strategy is not Strategy.OVERLAP or not beside_ok):
         rec = replace(rec, strategy=Strategy.GATED.value,
                       why=f"{choice.reason}; the parked standby (generation {nxt.number}) takes over"
