@@ -133,21 +133,27 @@ def fit_with_kv(cur: GenView, fit: MemoryFit) -> MemoryFit:
     return replace(fit, kv_held_mb=cur.kv_mb if cur.kv == KV_HELD else 0.0, weights_held_mb=cur.weights_mb)
 
 
+def _late_refused(v: ReplicaView) -> str | None:
+    """Why no generation may start whole beside the serving one now, whichever KV cache it takes."""
+    cur = v.current
+    if cur is None or cur.fit is None or not v.facts.nvml:
+        return "no GPU memory reading of the serving generation"
+    if v.facts.standby_failures:  # a late start that did not fit fails alone: the next one parks before CUDA
+        return f"the last {v.facts.standby_failures} standby(s) were lost before they were needed"
+    return late_room(cur, parked=False)
+
+
 def late_gate(v: ReplicaView, requested: str | None = None) -> tuple[bool, str]:
     """Whether a gated successor or standby may start whole on the held KV cache beside the
     serving generation and park ready (`strategy.late_gate_fits`), and why: the serving one maps
     the held KV cache, its GPU has the room, and the recycle would not be an overlap (then the
     standby parks ready on a KV cache of its own instead: `standby_gate`). `requested`: the
     recycle's strategy if a command gave one, else `[server] recycle_strategy`."""
-    cur = v.current
-    if cur is None or cur.fit is None or not v.facts.nvml:
-        return False, "no GPU memory reading of the serving generation"
-    if cur.kv != KV_HELD:
-        return False, "the serving generation does not map a held KV cache"
-    if v.facts.standby_failures:  # a late start that did not fit fails alone: the next one parks before CUDA
-        return False, f"the last {v.facts.standby_failures} standby(s) were lost before they were needed"
-    if (why := late_room(cur, parked=False)) is not None:
+    if (why := _late_refused(v)) is not None:
         return False, why
+    cur = need(v.current, "a late gate with no serving generation")
+    if cur.kv != KV_HELD or cur.fit is None:
+        return False, "the serving generation does not map a held KV cache"
     fit = fit_with_kv(cur, cur.fit)
     if choose(requested or v.facts.cfg.server.recycle_strategy, fit, v.facts.starts).strategy is Strategy.OVERLAP:
         return False, "two generations fit: the next one computes beside the serving one, on a KV cache of its own"
@@ -162,17 +168,15 @@ def standby_gate(v: ReplicaView) -> tuple[bool, str, str]:
     generation, under a second of vLLM's handshake beside it), a crash at once. Parked ready on the
     serving generation's held KV cache it could take over only after the old one was gone (1.6 s
     on an H100). Else `late_gate`'s rule, on the held KV cache."""
-    late, why = late_gate(v)
     cur, f = v.current, v.facts
-    if late or cur is None or cur.fit is None or not f.nvml or f.standby_failures \
-            or late_room(cur, parked=False) is not None:
-        return late, KV_HELD, why
-    choice = choose(f.cfg.server.recycle_strategy, fit_with_kv(cur, cur.fit), f.starts)
-    if choice.strategy is not Strategy.OVERLAP:
-        return late, KV_HELD, why
-    kv = kv_for(v, None)
-    on = "a KV cache of its own" if kv == KV_OWN else "the held KV cache"
-    return True, kv, f"{choice.reason}: it parks ready on {on} and opens beside the serving one"
+    if _late_refused(v) is None and cur is not None and cur.fit is not None:
+        choice = choose(f.cfg.server.recycle_strategy, fit_with_kv(cur, cur.fit), f.starts)
+        if choice.strategy is Strategy.OVERLAP:
+            kv = kv_for(v, None)
+            on = "a KV cache of its own" if kv == KV_OWN else "the held KV cache"
+            return True, kv, f"{choice.reason}: it parks ready on {on} and opens beside the serving one"
+    late, why = late_gate(v)
+    return late, KV_HELD, why
 
 
 def parked_beside(v: ReplicaView, nxt: GenView | None) -> bool:
@@ -215,8 +219,8 @@ def begin_recycle(v: ReplicaView, now: float, out: Out, reason: str, cls: EndCla
         choice = replace(choice, reason=f"asked for by the command{choice.reason.partition(f'= {strategy}')[2]}")
     if parked_beside(v, v.successor) and (strategy or f.cfg.server.recycle_strategy) == AUTO \
             and choice.strategy is not Strategy.OVERLAP:  # it holds its memory already: no room needed
-        choice = replace(choice, strategy=Strategy.OVERLAP,
-                         reason=f"the standby parked ready on a KV cache of its own ({choice.reason})")
+        choice = replace(choice, strategy=Strategy.OVERLAP, reason=(
+            f"the standby parked ready on a KV cache the serving one does not compute on ({choice.reason})"))
     rec = Recycle(reason=reason, cls=cls, strategy=choice.strategy.value, why=choice.reason, started_at=now,
                   generation=cur.number, successor_deadline=successor_deadline(v, reason, now))
     nxt = v.successor  # a standby: it takes over instead of a new start
