@@ -97,6 +97,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--budget-s", type=float, default=1e9, help="stop measuring after this long (a partial sweep)")
+    p.add_argument("--recheck-reserve-s", type=float, default=0.0,
+                   help="of --budget-s, keep this long for the re-measurements (the first pass stops earlier)")
     a = p.parse_args()
     a.tokenizer = a.tokenizer or a.model
     root = Path(a.out)
@@ -131,7 +133,7 @@ def main() -> int:
 
         measured: list[int] = []
         for b in sizes:
-            if time.monotonic() - t_begin > a.budget_s:
+            if time.monotonic() - t_begin > a.budget_s - a.recheck_reserve_s:
                 break
             measure(b, 0)
             measured.append(b)

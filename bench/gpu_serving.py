@@ -212,8 +212,11 @@ def run_scenario(name: str, a: argparse.Namespace, root: Path) -> dict[str, Any]
     t0 = time.monotonic()
     state = Path(a.state_root) / name
     if not sc.get("guard", True):
+        # pristine vLLM: our plugin is installed beside it, and vLLM loads every installed plugin
+        # unless VLLM_PLUGINS names them ("" names none)
         proc = subprocess.Popen([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model, "--tokenizer",
-                                 a.tokenizer, "--port", str(port), *vargs], stdout=log, stderr=subprocess.STDOUT)
+                                 a.tokenizer, "--port", str(port), *vargs], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "VLLM_PLUGINS": ""})
         start_s = wait_http(url + "/health", a.start_timeout, proc)
     else:
         state.mkdir(parents=True, exist_ok=True)
