@@ -7,10 +7,12 @@
 #   bash docs/dev/gpu-stage/bg.sh wait NAME [SECONDS]     # waits up to SECONDS (default 560) for it to end,
 #                                                         # prints its log's tail; once ended, copies $OUT of the run
 # The run's own OUT is /tmp/bg/NAME/out (defaults.sh writes its tarball there); its log /tmp/bg/NAME/log.
-# Example, 20 gated recycles with the leak (~22 min: a late standby parks 50-62 s after its spawn):
-#   start: bg.sh start leak20 env DEADLINE=1500 SCENARIOS=gated24 PROMPTS=14000 \
-#          BENCH_ARGS="--inject device_leak_mb_per_request=2" bash docs/dev/gpu-stage/defaults.sh leak20 --max-requests 700
-#   then:  bg.sh wait leak20   (three times, back to back)
+# Example, 20 gated recycles with the leak (~15 min: with the leak the memory forecast refuses the
+# late gate, so each standby parks before CUDA, ~31 s after its spawn, and a recycle can come every
+# ~36-45 s; on a fresh machine add ~90 s of first compile):
+#   start: bg.sh start leak20 env DEADLINE=1150 SCENARIOS=gated24 PROMPTS=12000 \
+#          BENCH_ARGS="--inject device_leak_mb_per_request=2" bash docs/dev/gpu-stage/defaults.sh leak20 --max-requests 300
+#   then:  bg.sh wait leak20   (twice or three times, back to back)
 set -u
 cmd=${1:-}; name=${2:-}
 [ -n "$cmd" ] && [ -n "$name" ] || { echo "usage: bg.sh start NAME COMMAND... | wait NAME [SECONDS]" >&2; exit 2; }
