@@ -7,6 +7,9 @@ CUDA-graph sizes, the mega AOT artifact) must not cost decode speed; this says w
     python3 bench/gpu_decode.py --out DIR --model MODEL_DIR [--tokenizer DIR] \\
         --config default= --config 'levers=ENV=1 --compilation-config {...}'
 
+vLLM loads every installed general plugin, ours included where the project is installed beside
+it: a configuration meant as pristine vLLM says so with `VLLM_PLUGINS=`.
+
 A `--config` is NAME=WORDS: words of the form K=V (K in capitals) go to the server's environment,
 the rest are vLLM arguments after the shared ones (gpu_serving.py's GPU_ARGS). DIR/decode.json has
 each configuration's start time and, per concurrency, every run's output tok/s and the median;

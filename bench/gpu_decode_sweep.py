@@ -6,6 +6,10 @@ shorter CUDA-graph capture list (a start lever) cost decode speed at a batch siz
         --sizes 1-256 --config default= \\
         --config 'levers15=VLLM_USE_MEGA_AOT_ARTIFACT=1 --compilation-config {...}'
 
+vLLM loads every installed general plugin, ours included where the project is installed beside
+it: a configuration meant as pristine vLLM says so with `VLLM_PLUGINS=` (e.g. `--config
+plain=VLLM_PLUGINS=`); one without it has our patches loaded, as a guarded generation does.
+
 Every configuration is its own plain vLLM server, all up at once on the one GPU (their KV caches
 are sized by `--kv-cache-memory-bytes`, so they fit side by side), so each batch size is measured
 on every configuration within seconds, in an order that alternates: drift of the box (clocks,

@@ -214,17 +214,18 @@ def begin_recycle(v: ReplicaView, now: float, out: Out, reason: str, cls: EndCla
     if f.gate_unavailable and fit.gate_unavailable != f.gate_unavailable:
         fit = replace(fit, gate_unavailable=f.gate_unavailable)
     fit = fit_with_kv(cur, fit)
-    choice = choose(strategy or f.cfg.server.recycle_strategy, fit, f.starts)
+    asked = strategy or f.cfg.server.recycle_strategy  # the command's, else the config's
+    choice = choose(asked, fit, f.starts)
     if strategy is not None:
         choice = replace(choice, reason=f"asked for by the command{choice.reason.partition(f'= {strategy}')[2]}")
-    if parked_beside(v, v.successor) and (strategy or f.cfg.server.recycle_strategy) == AUTO \
+    if parked_beside(v, v.successor) and asked == AUTO \
             and choice.strategy is not Strategy.OVERLAP:  # it holds its memory already: no room needed
         choice = replace(choice, strategy=Strategy.OVERLAP, reason=(
             f"the standby parked ready on a KV cache the serving one does not compute on ({choice.reason})"))
     rec = Recycle(reason=reason, cls=cls, strategy=choice.strategy.value, why=choice.reason, started_at=now,
                   generation=cur.number, successor_deadline=successor_deadline(v, reason, now))
     nxt = v.successor  # a standby: it takes over instead of a new start
-    if nxt is not None and choice.strategy is Strategy.COLD and (strategy or f.cfg.server.recycle_strategy) == "cold":
+    if nxt is not None and choice.strategy is Strategy.COLD and asked == "cold":
         # cold asked for (by the command or the config): obeyed, one vLLM at a time from scratch
         out.add(Abandon(f"a cold recycle was asked for; standby generation {nxt.number} is set aside"),
                 log("standby_set_aside", replica=f.index, generation=nxt.number, why="cold recycle asked for"))
