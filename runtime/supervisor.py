@@ -171,7 +171,7 @@ class Supervisor:
             cfg=self.cfg, index=d.index, peers=tuple(x.machine for x in self.drivers), stopping=self.stopping,
             hold=self.hold, failures_in_window=self.books.in_window(), gate_unavailable=self.gate_unavailable,
             starts=self.starts.get(d.index, StartHistory()), gpu_room=d.gpu_room,
-            standby_failures=self.standby_failures.get(d.index, 0),
+            standby_failures=self.standby_failures.get(d.index, 0), gpu_mb_s=d.gpu_mb_s,
             nvml=self.nvml is not None and self.nvml.available, ready_sent=self.notifier.ready_sent,
             extend_sent_at=self._extend_sent, config_hash=self.config_hash)
 

@@ -205,7 +205,7 @@ class World:
 
     def serving(self, gen: Generation) -> None:
         if not self.reading_after_s:
-            gen.note_memory(gen.memory, gen.growth, self.fit, gen.to_limit_s)  # type: ignore[arg-type]
+            gen.note_memory(gen.memory, gen.growth, self.fit, gen.to_limit_s, gen.gpu_mb_s)  # type: ignore[arg-type]
 
     def stopping(self, gen: Generation) -> None:
         pass
@@ -264,7 +264,7 @@ class World:
                      stopping=self.shutting_down, hold=self.hold, failures_in_window=self.books.in_window(self.now),
                      gate_unavailable=self.learned_gate,
                      starts=self.starts.get(d.index, StartHistory()), gpu_room=d.gpu_room, nvml=self.nvml,
-                     standby_failures=self.standby_failures.get(d.index, 0),
+                     standby_failures=self.standby_failures.get(d.index, 0), gpu_mb_s=d.gpu_mb_s,
                      ready_sent=self.ready_sent)
 
     def _world(self) -> None:
@@ -282,7 +282,7 @@ class World:
                 g.note_stop([] if b.gone_now() else [b.pid], gpu_free=True)
             if g.ready_mono is not None and g.fit is None and self.reading_after_s \
                     and self.now - g.ready_mono >= self.reading_after_s:
-                g.note_memory(g.memory, g.growth, self.fit, g.to_limit_s)  # type: ignore[arg-type]
+                g.note_memory(g.memory, g.growth, self.fit, g.to_limit_s, g.gpu_mb_s)  # type: ignore[arg-type]
             if b.rc is not None or g.ready_mono is not None:
                 continue
             if g.gate is None:

@@ -34,7 +34,7 @@ from vllm_guard.runtime.child.holder import HolderProcess
 from vllm_guard.runtime.replica.decide import decide
 from vllm_guard.runtime.replica.machine import State
 from vllm_guard.runtime.replica.strategy import MemoryFit, late_gate_fits, overlap_fits
-from vllm_guard.runtime.replica.view import Abandon, GenPhase, LearnStandby, OpenGate, RecycleCmd, Spawn, Tick
+from vllm_guard.runtime.replica.view import Abandon, GenPhase, LearnStandby, Log, OpenGate, RecycleCmd, Spawn, Tick
 
 torch = pytest.importorskip("torch")
 S = State
@@ -358,6 +358,27 @@ def test_a_growing_generation_gets_no_late_standby_and_one_starting_is_set_aside
 
     d = decide(standby_beside(3600.0, None), Tick(), NOW)  # slow growth: it goes on starting
     assert not kinds(d, Abandon) and d.machine.state is S.STANDBY
+
+
+def test_before_its_own_forecast_a_generation_is_judged_at_the_rate_its_predecessor_leaked() -> None:
+    """A leak outlives the generation it showed in: until the new one's forecast has its readings,
+    its standby is judged at the predecessor's GPU growth rate, so it parks before CUDA instead of
+    starting whole beside it only to be set aside once the forecast shows the leak."""
+    fresh = serving_with_held_kv()  # no forecast of its own yet (3.5 GiB free)
+    leaked = replace(fresh, facts=facts(nvml=True, gpu_mb_s=20.0))  # 3 584 MB at 20 MB/s: 179 s
+    d = decide(leaked, Tick(), NOW)
+    spawn, (line,) = kinds(d, Spawn), [e for e in kinds(d, Log) if e.event == "standby_starting"]
+    assert spawn and spawn[0].standby and not spawn[0].late, d.effects
+    assert "runs out in 179 s at the 20.0 MB/s its predecessor's grew" in str(dict(line.fields)["why"]), line
+    assert not kinds(decide(leaked, RecycleCmd(reason="t"), NOW), Spawn)[0].late, "a gated successor likewise"
+
+    for calm in (facts(nvml=True), facts(nvml=True, gpu_mb_s=0.5), facts(nvml=True, gpu_mb_s=-1.0)):
+        spawn = kinds(decide(replace(fresh, facts=calm), Tick(), NOW), Spawn)  # none, slow (2 h), shrinking
+        assert spawn and spawn[0].late, (calm.gpu_mb_s, spawn)
+    own = replace(leaked, current=replace(leaked.current, gpu_mb_s=0.0))  # its own readings: no growth
+    assert kinds(decide(own, Tick(), NOW), Spawn)[0].late, "its own forecast wins over the prior"
+    parked = replace(standby_beside(None, "parked"), facts=facts(nvml=True, gpu_mb_s=20.0))
+    assert decide(parked, Tick(), NOW).machine.recycle is None, "a prior alone never recycles"
 
 
 def test_a_parked_late_standby_takes_over_before_the_growing_generation_runs_out() -> None:

@@ -15,7 +15,7 @@ from vllm_guard.core import leak
 from vllm_guard.core.config import GuardConfig, RecycleConfig
 from vllm_guard.core.protocol import ChildProcess, MemoryReading, MemoryStatus, ProcessMemory, Role
 from vllm_guard.runtime.replica import monitors
-from vllm_guard.runtime.replica.monitors import FORECAST_POINTS, MemoryIO, forecast, memory_loop
+from vllm_guard.runtime.replica.monitors import FORECAST_POINTS, MemoryIO, forecast, growth_rate, memory_loop
 
 
 # -- the forecast -------------------------------------------------------------------------------
@@ -33,6 +33,8 @@ def test_no_forecast_without_growth_headroom_or_enough_readings() -> None:
     assert forecast(line, None) is None  # no headroom known (no NVML for the GPU's)
     assert forecast([(t, 1000.0) for t, _ in line], 100.0) is None  # flat
     assert forecast([(t, 2000.0 - mb) for t, mb in line], 100.0) is None  # shrinking
+    assert growth_rate(line[:-1]) is None and growth_rate(line) == pytest.approx(2.0)
+    assert growth_rate([(t, 2000.0 - mb) for t, mb in line]) == pytest.approx(-2.0)  # a rate, though no forecast
 
 
 # -- the loop -----------------------------------------------------------------------------------
@@ -48,6 +50,7 @@ class World:
     now: float = 0.0
     reads: list[float] = field(default_factory=list)
     notes: list[tuple[MemoryStatus, Any, Any, float | None]] = field(default_factory=list)
+    gpu_rates: list[float | None] = field(default_factory=list)  # the GPU growth rate each note gave
     ledger: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
     readings: int = 12
 
@@ -84,7 +87,8 @@ def _run(w: World, warmup: int = 3, interval: float = 2.0) -> None:
     gen = SimpleNamespace(
         target=w, row=7, number=2, replica=0,
         backend=SimpleNamespace(pid=4242, model="m", remember=lambda found: None),
-        note_memory=lambda status, growth, fit, to_limit: w.notes.append((status, growth, fit, to_limit)))
+        note_memory=lambda status, growth, fit, to_limit, gpu_mb_s: (
+            w.notes.append((status, growth, fit, to_limit)), w.gpu_rates.append(gpu_mb_s)))
     ledger = SimpleNamespace(generation_progress=lambda row, n: w.ledger.append(("progress", (row, n))),
                              process_memory=lambda *a: w.ledger.append(("memory", a)))
     with pytest.raises(Stop):
@@ -112,7 +116,7 @@ def test_the_baseline_is_taken_as_warm_up_ends_not_at_the_next_interval() -> Non
 def test_the_time_to_the_limit_is_the_nearer_of_host_and_gpu_once_enough_readings() -> None:
     """The host has 10 000 MiB at 2 MB/s (5 000 s); the GPU's free memory shrinks at 4 MB/s from
     10 000 MiB: the GPU is the nearer limit. No forecast before FORECAST_POINTS readings after
-    the baseline."""
+    the baseline; from then on the GPU's growth rate comes with it (the next generation's prior)."""
     w = World()
     _run(w)
     to_limit = [n[3] for n in w.notes]
@@ -121,6 +125,8 @@ def test_the_time_to_the_limit_is_the_nearer_of_host_and_gpu_once_enough_reading
     t = w.reads[-1]
     assert to_limit[-1] == pytest.approx((10000.0 - 4.0 * t) / 4.0, rel=1e-6)
     assert w.notes[-1][2].gpu_free_mb == pytest.approx(10000.0 - 4.0 * t)
+    assert all(r is None for r in w.gpu_rates[:first]) and w.gpu_rates[first:] == [pytest.approx(4.0)] * (
+        len(w.gpu_rates) - first)
 
 
 def test_every_reading_reaches_the_ledger_and_the_served_count_with_it() -> None:

@@ -647,23 +647,30 @@ def test_a_late_standby_beside_a_leak_is_used_early_or_given_up(tmp_path: Path) 
     """A late standby holds the room the serving generation would leak into. Parked, it is used
     once the serving one's memory forecast falls under a minute (a preventive recycle onto it);
     still starting, it is set aside as soon as the forecast shows growth, and the next standby
-    parks before CUDA."""
+    parks before CUDA. The GPU leak outlives its generation: the next one's standby parks before
+    CUDA at once, before that generation's own forecast exists."""
     async def scenario(w: World) -> None:
         w.nvml, w.kv_holder, w.fit, w.has_room = True, True, KV_FIT, False
-        w.plans = [Plan(), Plan(park_s=5.0, after_gate_s=0.5), Plan(park_s=30.0), Plan(park_s=5.0)]
+        w.plans = [Plan(), Plan(park_s=5.0, after_gate_s=0.5), Plan(park_s=30.0), Plan(park_s=5.0, after_gate_s=0.5),
+                   Plan(park_s=5.0)]
         await w.run_until(lambda: w.number >= 2 and w.gen(2).gate_report is not None)
         assert w.spawned[1] == (2, True, "held")
-        w.gen(1).to_limit_s = 30.0  # the leak's forecast: out of memory in 30 s
+        w.gen(1).to_limit_s, w.gen(1).gpu_mb_s = 30.0, 0.0  # its host memory leaks: out of memory in 30 s
         await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
         (rec,) = list(w.books.recycles)
         assert rec.reason == "gpu_memory_forecast" and rec.strategy == "gated", rec
         assert w.gen(1).end_reason[1] is EndClass.PREVENTIVE
         await w.run_until(lambda: w.number >= 3)
         assert w.spawned[2] == (3, True, "held"), "no forecast yet: the next standby starts late"
-        w.gen(2).to_limit_s = 120.0  # it leaks too, slower: no room for a standby still starting
+        w.gen(2).to_limit_s, w.gen(2).gpu_mb_s = 120.0, 30.0  # its GPU memory leaks: no room for a late start
         await w.run_until(lambda: w.number >= 4)
         assert w.gen(3).ended or w.gen(3).backend.rc is not None, "the late standby was not set aside"
         assert w.spawned[3] == (4, False, "held"), "the next standby did not park before CUDA"
+        await w.run_until(lambda: w.gen(4).gate_report is not None)
+        await w.command(RecycleCmd("test"))
+        await w.run_until(lambda: w.number >= 5)
+        assert w.gen(4).gpu_mb_s is None, "generation 4 has a forecast of its own already"
+        assert w.spawned[4] == (5, False, "held"), "at generation 2's rate the next standby has no room to start whole"
         assert not w.books.failures.total
 
     run(tmp_path, scenario, standby_cfg())

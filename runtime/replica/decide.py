@@ -217,7 +217,7 @@ def _standby(v: ReplicaView, now: float, out: Out) -> None:
         out.to(S.SERVING, now)
         return
     cur = need(v.current, "a standby with no serving generation")
-    if nxt.late and nxt.gate != "parked" and (room := late_room(cur, parked=False)) is not None:
+    if nxt.late and nxt.gate != "parked" and (room := late_room(cur, parked=False, prior_mb_s=f.gpu_mb_s)) is not None:
         # it would take the room the serving one grows into: given up; the next one parks before CUDA
         out.add(Abandon(f"standby set aside: {room}"), LearnStandby(failed=True),
                 log("standby_set_aside", "warning", replica=f.index, generation=nxt.number, why=room))

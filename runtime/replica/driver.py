@@ -59,6 +59,7 @@ class ReplicaDriver:
         self.retiring: list[Generation] = []
         self.gpu_name = ""
         self.gpu_room: bool | None = None
+        self.gpu_mb_s: float | None = None  # the GPU growth rate its generations last measured: the next one's prior
         self._room_off: Callable[[], None] | None = None
         self.overrun_logged = False
 
@@ -93,6 +94,8 @@ class ReplicaDriver:
 
     async def _step(self, event: Event, facts: Callable[[], Facts]) -> tuple[Decision, Event | None]:
         await self._read_deaths()
+        if self.current is not None and self.current.gpu_mb_s is not None:
+            self.gpu_mb_s = self.current.gpu_mb_s  # kept past its end: a leak outlives the generation it showed in
         d = decide(self.view(facts()), event, self.clock())
         before = self.machine
         self.machine = d.machine

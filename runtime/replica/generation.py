@@ -54,6 +54,7 @@ class Generation:
     memory: MemoryStatus | None = None
     growth: Growth | None = None
     to_limit_s: float | None = None
+    gpu_mb_s: float | None = None  # its GPU memory's growth rate (MB/s), once the forecast has its readings
     fit: MemoryFit | None = None
     held_mb: tuple[float, float | None] | None = None  # a standby's host RSS and GPU memory (MiB)
     death: deaths.Death | None = None  # why it exited on its own before it ever served (its log)
@@ -92,7 +93,8 @@ class Generation:
             hang=self.hang, gate=g.state if g is not None else None, gate_reason=g.reason if g is not None else "",
             gate_open=self.gate_open,
             in_flight=t.in_flight, requests=t.toward_limit, served=t.dispatched, inherited=t.inherited,
-            limit=t.limit, idle_for=idle, growth=self.growth, to_limit_s=self.to_limit_s, fit=self.fit,
+            limit=t.limit, idle_for=idle, growth=self.growth, to_limit_s=self.to_limit_s, gpu_mb_s=self.gpu_mb_s,
+            fit=self.fit,
             deadline=self.deadline, kill_sent=self.kill_sent, stop_mark=self.stop_mark, gone=self.gone,
             gpu_free=self.gpu_free, alive=self.alive, end_reason=self.end_reason, death=self.death,
             config=self.config, kv=self.kv, kv_mb=self.kv_mb, late=self.late,
@@ -163,8 +165,9 @@ class Generation:
         self.engine_pids = [c.pid for c in found if c.role in (Role.ENGINE_CORE, Role.WORKER)]
 
     def note_memory(self, status: MemoryStatus, growth: Growth | None, fit: MemoryFit | None,
-                    to_limit_s: float | None) -> None:
+                    to_limit_s: float | None, gpu_mb_s: float | None = None) -> None:
         self.memory, self.growth, self.fit, self.to_limit_s = status, growth, fit, to_limit_s
+        self.gpu_mb_s = gpu_mb_s
 
     def note_held(self, rss_mb: float, gpu_mb: float | None) -> None:
         self.held_mb = (rss_mb, gpu_mb)

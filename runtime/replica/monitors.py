@@ -181,13 +181,20 @@ def _growth(base: MemoryReading, cur: MemoryReading) -> MemoryGrowth:
 FORECAST_POINTS = 6  # readings after the baseline before a growth rate is trusted
 
 
+def growth_rate(history: list[tuple[float, float]]) -> float | None:
+    """The robust growth rate (MB/s, Theil-Sen) of `history` ((t, MB)); None while too few
+    readings exist to trust one. Pure."""
+    if len(history) < FORECAST_POINTS:
+        return None
+    slope = theil_sen([t for t, _ in history], [mb for _, mb in history])
+    return None if slope is None else slope.slope
+
+
 def forecast(history: list[tuple[float, float]], headroom_mb: float | None) -> float | None:
     """Seconds until `headroom_mb` is used up at the robust growth rate of `history` ((t, MB));
     None while it does not grow or too few readings exist. Pure."""
-    if headroom_mb is None or len(history) < FORECAST_POINTS:
-        return None
-    slope = theil_sen([t for t, _ in history], [mb for _, mb in history])
-    return None if slope is None else time_to_exhaust(headroom_mb, slope.slope)
+    rate = growth_rate(history)
+    return None if headroom_mb is None or rate is None else time_to_exhaust(headroom_mb, rate)
 
 
 MemoryRead = tuple[MemoryReading, list[ChildProcess], dict[str, tuple[float, float]], float]
@@ -217,7 +224,8 @@ async def memory_loop(gen: Generation, cfg: GuardConfig, nvml: NvmlSession | Non
     """Read the tree's memory every `memory_interval`; the growth baseline is taken as warm-up
     ends (`core.leak.warmed_up`, checked every 50 ms, so a fast leak does not hide in a late
     baseline). Each reading also gives the strategy readings for a recycle (host RAM, the
-    replica's GPUs) and the forecast time to the memory limit, and writes the served count to the
+    replica's GPUs), the forecast time to the memory limit and the GPU memory's growth rate (the
+    next generation's prior, `steps.late_room`), and writes the served count to the
     ledger, so a killed runtime's generation keeps it, and the reading itself (the report's
     memory per process)."""
     t, warm, interval = gen.target, cfg.recycle.memory_warmup_requests, cfg.recycle.memory_interval
@@ -242,7 +250,7 @@ async def memory_loop(gen: Generation, cfg: GuardConfig, nvml: NvmlSession | Non
                               forecast(gpu_hist, fit.gpu_free_mb)) if x is not None]
         gen.note_memory(MemoryStatus(warmup_requests=warm, baseline=baseline, current=cur, growth=growth),
                         None if growth is None else Growth(rss_mb=growth.rss_mb, gpu_mb=growth.gpu_mb), fit,
-                        min(limits) if limits else None)
+                        min(limits) if limits else None, gpu_mb_s=growth_rate(gpu_hist))
         ledger.generation_progress(gen.row, t.completed)
         ledger.process_memory(gen.number, gen.replica, cur, avail, fit.gpu_free_mb)  # the report's memory per process
         wake()

@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from vllm_guard.core import plugin
 from vllm_guard.core.ledger import EndClass, FailureKind
+from vllm_guard.core.stats import time_to_exhaust
 
 from ..child.death import same_cause
 from .machine import Machine, Recycle, State, Wanted, idle, rolling, serving_count
@@ -140,7 +141,7 @@ def _late_refused(v: ReplicaView) -> str | None:
         return "no GPU memory reading of the serving generation"
     if v.facts.standby_failures:  # a late start that did not fit fails alone: the next one parks before CUDA
         return f"the last {v.facts.standby_failures} standby(s) were lost before they were needed"
-    return late_room(cur, parked=False)
+    return late_room(cur, parked=False, prior_mb_s=v.facts.gpu_mb_s)
 
 
 def late_gate(v: ReplicaView, requested: str | None = None) -> tuple[bool, str]:
@@ -190,15 +191,22 @@ LATE_START_ROOM_S = 300.0  # one still starting is given up when the serving one
 LATE_PARKED_ROOM_S = 60.0  # one parked ready is used (a preventive recycle) when it runs out sooner
 
 
-def late_room(cur: GenView, parked: bool) -> str | None:
+def late_room(cur: GenView, parked: bool, prior_mb_s: float | None = None) -> str | None:
     """Why the serving generation `cur` has no room left for a late standby beside it, or None:
     its GPU memory grows and the forecast (`to_limit_s`, the device's free memory over its growth
-    rate, which counts what the standby holds) runs out within the horizon."""
+    rate, which counts what the standby holds) runs out within the horizon. Before its own
+    forecast has its readings, a start is judged at `prior_mb_s`, the rate its predecessors
+    measured: a leak outlives the generation it showed in, and a late start it sets aside later
+    is a whole vLLM start beside the serving one for nothing."""
     room = LATE_PARKED_ROOM_S if parked else LATE_START_ROOM_S
-    if cur.to_limit_s is None or cur.to_limit_s >= room:
+    to_limit, what, rate = cur.to_limit_s, "memory grows and runs out", "this rate"
+    if to_limit is None and cur.gpu_mb_s is None and not parked and prior_mb_s is not None \
+            and cur.fit is not None and cur.fit.gpu_free_mb is not None:
+        to_limit = time_to_exhaust(cur.fit.gpu_free_mb, prior_mb_s)
+        what, rate = "GPU memory runs out", f"the {prior_mb_s:.1f} MB/s its predecessor's grew"
+    if to_limit is None or to_limit >= room:
         return None
-    return (f"generation {cur.number}'s memory grows and runs out in {cur.to_limit_s:.0f} s at this rate "
-            f"(under {room:.0f} s)")
+    return f"generation {cur.number}'s {what} in {to_limit:.0f} s at {rate} (under {room:.0f} s)"
 
 
 def park_within(v: ReplicaView, g: GenView) -> float:

@@ -61,6 +61,7 @@ class GenView:
     idle_for: float = 0.0
     growth: Growth | None = None
     to_limit_s: float | None = None  # memory: seconds until it runs out at the current growth rate
+    gpu_mb_s: float | None = None  # its GPU memory's growth rate (MB/s); None: too few readings yet
     fit: MemoryFit | None = None  # the readings a recycle's strategy is chosen from
     deadline: float | None = None  # of its drain or stop (monotonic)
     kill_sent: bool = False
@@ -101,6 +102,7 @@ class Facts:
     starts: StartHistory = field(default_factory=StartHistory)
     gpu_room: bool | None = None  # NVML shows room for the next generation to start; None: unknown
     standby_failures: int = 0  # standbys in a row that died or could not park
+    gpu_mb_s: float | None = None  # the replica's GPU memory growth rate (MB/s) as its generations last measured it
     nvml: bool = False  # GPU readings exist on this box
     ready_sent: bool = False  # systemd heard READY=1
     extend_sent_at: float = 0.0  # when EXTEND_TIMEOUT_USEC last went out
