@@ -2,7 +2,7 @@
 # gated24.sh with the runtime's defaults and nothing forced by hand (2026-12-05): no capture list, no
 # VLLM_USE_MEGA_AOT_ARTIFACT from the script (unset here, so the runtime's own choice shows: its
 # `gpu_mega_aot_artifact` log line, and the variable in each EngineCore's environment, sampled from
-# /proc every 10 s into env.txt). On a staged device (go.sh or r.sh 3), from the call's checkout copy:
+# /proc every 10 s into env.txt). On a staged device (go.sh or r.sh 4), from the call's checkout copy:
 #   T0=$(date +%s) SCENARIOS="gated24" PROMPTS=3000 bash docs/dev/gpu-stage/defaults.sh NAME [serve flags]
 #   T0=$(date +%s) SCENARIOS="plain overlap80" PROMPTS=900 bash docs/dev/gpu-stage/defaults.sh NAME
 #   T0=$(date +%s) SCENARIOS=kills24 PROMPTS=2100 BENCH_ARGS="--kill-at 90 190" bash ... NAME
