@@ -7,11 +7,11 @@
 #   bash docs/dev/gpu-stage/bg.sh wait NAME [SECONDS]     # waits up to SECONDS (default 560) for it to end,
 #                                                         # prints its log's tail; once ended, copies $OUT of the run
 # The run's own OUT is /tmp/bg/NAME/out (defaults.sh writes its tarball there); its log /tmp/bg/NAME/log.
-# Example, 20 gated recycles with the leak (~17-20 min: the first standby of each generation starts
-# late before the memory forecast exists and is set aside once it shows the leak; the next parks
-# before CUDA, ~31 s after its spawn, so a recycle comes every ~45-50 s; on a fresh machine the first
-# start compiles from scratch, ~150 s):
-#   start: bg.sh start leak20 env DEADLINE=1300 SCENARIOS=gated24 PROMPTS=12000 \
+# Example, 20 gated recycles with the leak (~15 min: from the second generation on each standby is
+# judged at its predecessor's leak rate and parks before CUDA at once, ~31 s after its spawn, so a
+# recycle comes every ~37-45 s; only the first generation's late standby is set aside; on a fresh
+# machine the first start compiles from scratch, ~150 s):
+#   start: bg.sh start leak20 env DEADLINE=1150 SCENARIOS=gated24 PROMPTS=9000 \
 #          BENCH_ARGS="--inject device_leak_mb_per_request=2" bash docs/dev/gpu-stage/defaults.sh leak20 --max-requests 300
 #   then:  bg.sh wait leak20   (twice or three times, back to back)
 set -u
