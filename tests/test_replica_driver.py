@@ -735,6 +735,27 @@ def test_a_standby_that_dies_is_replaced_and_is_no_failure_of_the_serving_genera
     run(tmp_path, scenario, standby_cfg())
 
 
+def test_a_standby_that_parks_while_a_recycle_waits_for_it_ends_the_run_of_lost_ones(tmp_path: Path) -> None:
+    """One standby is lost; the next is still booting when a recycle begins, and parks while the
+    recycle waits for it (GATED_PARKING, never STANDBY). It parked: the count of lost standbys
+    starts again. Left at one, every later standby would park before CUDA (5-6 s gated recycles
+    on the 7B shape, instead of 1.6 s parked ready)."""
+    async def scenario(w: World) -> None:
+        w.fit = MemoryFit(host_available_mb=3.5 * GIB, host_footprint_mb=3 * GIB, parked_mb=1.5 * GIB)  # two do not fit
+        w.plans += [Plan(), Plan(exit_at_s=2.0), Plan(park_s=20.0), Plan()]
+        await w.run_until(lambda: w.number >= 3)
+        assert w.standby_failures.get(0) == 1 and w.gen(3).gate_report is None
+        d = await w.command(RecycleCmd("test"))
+        assert d.reply.accepted and w.drivers[0].state is S.GATED_PARKING
+        await w.run_until(lambda: w.drivers[0].state is not S.GATED_PARKING)
+        assert w.gen(3).gate_report is not None and w.gen(3).gate_report.state == "parked"
+        assert w.standby_failures.get(0) == 0, "a standby that parked left the run of lost ones standing"
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 3)
+        assert not w.books.failures.total
+
+    run(tmp_path, scenario, standby_cfg())
+
+
 def test_an_overlap_recycle_that_opened_a_booting_standbys_gate_takes_it_once_the_old_one_is_gone(
         tmp_path: Path) -> None:
     """A recycle begins while the standby still boots toward its gate: overlap opens the gate at

@@ -98,6 +98,11 @@ def decide(v: ReplicaView, event: Event, now: float) -> Decision:
 
 # -- ticks -------------------------------------------------------------------------------------
 def _tick(v: ReplicaView, now: float, out: Out) -> None:
+    nxt = v.successor
+    if v.facts.standby_failures and nxt is not None and nxt.standby and nxt.gate == "parked" and not nxt.died:
+        # it parked: the count of lost ones starts again, whatever the replica does meanwhile (a
+        # recycle that began before it parked waits for it in GATED_PARKING, never in STANDBY)
+        out.add(LearnStandby(failed=False))
     st = v.machine.state
     if st in BOOTING_STATES:
         _booting(v, now, out)
@@ -223,8 +228,6 @@ def _standby(v: ReplicaView, now: float, out: Out) -> None:
                 log("standby_set_aside", "warning", replica=f.index, generation=nxt.number, why=room))
         out.to(S.SERVING, now)
         return
-    if nxt.gate == "parked" and f.standby_failures:
-        out.add(LearnStandby(failed=False))
     if nxt.late and nxt.gate == "parked" and f.hold is None and not f.stopping \
             and late_room(cur, parked=True) is not None:
         begin_or_wait(v, now, out, triggers.GPU_MEMORY_FORECAST, EndClass.PREVENTIVE, None)
