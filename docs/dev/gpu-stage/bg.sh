@@ -7,11 +7,11 @@
 #   bash docs/dev/gpu-stage/bg.sh wait NAME [SECONDS]     # waits up to SECONDS (default 560) for it to end,
 #                                                         # prints its log's tail; once ended, copies $OUT of the run
 # The run's own OUT is /tmp/bg/NAME/out (defaults.sh writes its tarball there); its log /tmp/bg/NAME/log.
-# Example, 20 gated recycles with the leak (~15 min: from the second generation on each standby is
-# judged at its predecessor's leak rate and parks before CUDA at once, ~31 s after its spawn, so a
-# recycle comes every ~37-45 s; only the first generation's late standby is set aside; on a fresh
-# machine the first start compiles from scratch, ~150 s):
-#   start: bg.sh start leak20 env DEADLINE=1150 SCENARIOS=gated24 PROMPTS=9000 \
+# Example, 20 gated recycles with the leak (~20 min; H200, 2026-12-06: a recycle every ~47-53 s,
+# since each generation serves its 300 plus the ~50 that queued in the gap before it; from the
+# second generation on each standby is judged at its predecessor's leak rate and parks before
+# CUDA; on a fresh machine the first start compiles from scratch, ~90 s more):
+#   start: bg.sh start leak20 env DEADLINE=1250 SCENARIOS=gated24 PROMPTS=10500 \
 #          BENCH_ARGS="--inject device_leak_mb_per_request=2" bash docs/dev/gpu-stage/defaults.sh leak20 --max-requests 300
 #   then:  bg.sh wait leak20   (twice or three times, back to back)
 set -u
