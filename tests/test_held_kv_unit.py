@@ -33,6 +33,7 @@ from vllm_guard.patches import held_kv
 from vllm_guard.runtime.child.holder import HolderProcess
 from vllm_guard.runtime.replica.decide import decide
 from vllm_guard.runtime.replica.machine import State
+from vllm_guard.runtime.replica.steps import prior_rate
 from vllm_guard.runtime.replica.strategy import MemoryFit, late_gate_fits, overlap_fits
 from vllm_guard.runtime.replica.view import Abandon, GenPhase, LearnStandby, Log, OpenGate, RecycleCmd, Spawn, Tick
 
@@ -369,7 +370,7 @@ def test_before_its_own_forecast_a_generation_is_judged_at_the_rate_its_predeces
     d = decide(leaked, Tick(), NOW)
     spawn, (line,) = kinds(d, Spawn), [e for e in kinds(d, Log) if e.event == "standby_starting"]
     assert spawn and spawn[0].standby and not spawn[0].late, d.effects
-    assert "runs out in 179 s at the 20.0 MB/s its predecessor's grew" in str(dict(line.fields)["why"]), line
+    assert "runs out in 179 s at the 20.0 MB/s its predecessors' grew" in str(dict(line.fields)["why"]), line
     assert not kinds(decide(leaked, RecycleCmd(reason="t"), NOW), Spawn)[0].late, "a gated successor likewise"
 
     for calm in (facts(nvml=True), facts(nvml=True, gpu_mb_s=0.5), facts(nvml=True, gpu_mb_s=-1.0)):
@@ -379,6 +380,17 @@ def test_before_its_own_forecast_a_generation_is_judged_at_the_rate_its_predeces
     assert kinds(decide(own, Tick(), NOW), Spawn)[0].late, "its own forecast wins over the prior"
     parked = replace(standby_beside(None, "parked"), facts=facts(nvml=True, gpu_mb_s=20.0))
     assert decide(parked, Tick(), NOW).machine.recycle is None, "a prior alone never recycles"
+
+
+def test_the_prior_is_the_median_rate_of_the_last_three_generations() -> None:
+    """One generation's rate comes from a few readings of an allocator that grows in steps: a leak
+    of 20 MB/s once read 7.0 MB/s (on the H200). The median of the last three keeps the prior at
+    the leak's rate through one low reading, and lets it go once two generations show none."""
+    assert prior_rate([]) is None
+    assert prior_rate([19.9]) == 19.9
+    assert prior_rate([19.9, 7.0, 20.1]) == 19.9
+    assert prior_rate([30.0, 19.9, 7.0, 20.1]) == 19.9, "only the last three count"
+    assert prior_rate([20.0, 20.0, 0.0, 0.0]) == 0.0, "two generations without growth end the prior"
 
 
 def test_a_parked_late_standby_takes_over_before_the_growing_generation_runs_out() -> None:

@@ -671,6 +671,8 @@ def test_a_late_standby_beside_a_leak_is_used_early_or_given_up(tmp_path: Path) 
         await w.run_until(lambda: w.number >= 5)
         assert w.gen(4).gpu_mb_s is None, "generation 4 has a forecast of its own already"
         assert w.spawned[4] == (5, False, "held"), "at generation 2's rate the next standby has no room to start whole"
+        assert w.drivers[0].gpu_rates == {1: 0.0, 2: 30.0} and w.drivers[0].gpu_mb_s == 15.0, \
+            "the prior: the median of the generations' own last rates"
         assert not w.books.failures.total
 
     run(tmp_path, scenario, standby_cfg())

@@ -24,6 +24,7 @@ from .decide import decide
 from .generation import Generation
 from .machine import Machine, State, coarse
 from .plan import ReplicaPlan
+from .steps import prior_rate
 from .ports import Books, Door, Hub, Spawner, Watchers
 from .view import (
     Abandon, Decision, Drain, Effect, EnforceLimits, Event, Extend, ExitAll, Facts, Failure, Finish, GiveUp, GoLive,
@@ -59,7 +60,7 @@ class ReplicaDriver:
         self.retiring: list[Generation] = []
         self.gpu_name = ""
         self.gpu_room: bool | None = None
-        self.gpu_mb_s: float | None = None  # the GPU growth rate its generations last measured: the next one's prior
+        self.gpu_rates: dict[int, float] = {}  # generation -> the GPU growth rate it last measured
         self._room_off: Callable[[], None] | None = None
         self.overrun_logged = False
 
@@ -67,6 +68,11 @@ class ReplicaDriver:
     @property
     def state(self) -> State:
         return self.machine.state
+
+    @property
+    def gpu_mb_s(self) -> float | None:
+        """The GPU growth rate the replica's last generations measured: the next one's prior."""
+        return prior_rate(self.gpu_rates[n] for n in sorted(self.gpu_rates))
 
     def generations(self) -> list[Generation]:
         """Every generation of this replica whose processes may be alive."""
@@ -95,7 +101,9 @@ class ReplicaDriver:
     async def _step(self, event: Event, facts: Callable[[], Facts]) -> tuple[Decision, Event | None]:
         await self._read_deaths()
         if self.current is not None and self.current.gpu_mb_s is not None:
-            self.gpu_mb_s = self.current.gpu_mb_s  # kept past its end: a leak outlives the generation it showed in
+            self.gpu_rates[self.current.number] = self.current.gpu_mb_s  # kept past its end: a leak outlives it
+            for old in sorted(self.gpu_rates)[:-8]:
+                del self.gpu_rates[old]
         d = decide(self.view(facts()), event, self.clock())
         before = self.machine
         self.machine = d.machine

@@ -5,8 +5,9 @@ like `decide`; split from it so each stays small. Only `decide` calls these.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
-from typing import TypeVar
+from typing import Iterable, TypeVar
 
 from vllm_guard.core import plugin
 from vllm_guard.core.ledger import EndClass, FailureKind
@@ -191,19 +192,31 @@ LATE_START_ROOM_S = 300.0  # one still starting is given up when the serving one
 LATE_PARKED_ROOM_S = 60.0  # one parked ready is used (a preventive recycle) when it runs out sooner
 
 
+PRIOR_GENERATIONS = 3  # the prior is the median rate of this many last generations
+
+
+def prior_rate(rates: Iterable[float]) -> float | None:
+    """The GPU growth rate a new generation is judged at before its own forecast exists: the
+    median of the last PRIOR_GENERATIONS generations' rates (oldest first). One generation's
+    rate comes from a handful of readings of an allocator that grows in steps (7 MB/s seen
+    between two of 20 MB/s), so a single reading would let a wasted late start through."""
+    last = list(rates)[-PRIOR_GENERATIONS:]
+    return statistics.median(last) if last else None
+
+
 def late_room(cur: GenView, parked: bool, prior_mb_s: float | None = None) -> str | None:
     """Why the serving generation `cur` has no room left for a late standby beside it, or None:
     its GPU memory grows and the forecast (`to_limit_s`, the device's free memory over its growth
     rate, which counts what the standby holds) runs out within the horizon. Before its own
     forecast has its readings, a start is judged at `prior_mb_s`, the rate its predecessors
-    measured: a leak outlives the generation it showed in, and a late start it sets aside later
+    measured (`prior_rate`): a leak outlives the generation it showed in, and a late start it sets aside later
     is a whole vLLM start beside the serving one for nothing."""
     room = LATE_PARKED_ROOM_S if parked else LATE_START_ROOM_S
     to_limit, what, rate = cur.to_limit_s, "memory grows and runs out", "this rate"
     if to_limit is None and cur.gpu_mb_s is None and not parked and prior_mb_s is not None \
             and cur.fit is not None and cur.fit.gpu_free_mb is not None:
         to_limit = time_to_exhaust(cur.fit.gpu_free_mb, prior_mb_s)
-        what, rate = "GPU memory runs out", f"the {prior_mb_s:.1f} MB/s its predecessor's grew"
+        what, rate = "GPU memory runs out", f"the {prior_mb_s:.1f} MB/s its predecessors' grew"
     if to_limit is None or to_limit >= room:
         return None
     return f"generation {cur.number}'s {what} in {to_limit:.0f} s at {rate} (under {room:.0f} s)"
