@@ -25,6 +25,9 @@ from vllm_guard.core.admin import AdminError, fetch_status
 pytestmark = pytest.mark.slow
 
 PROBE_INTERVAL, PROBE_TIMEOUT, PROGRESS_WINDOW = 3.0, 5.0, 5.0
+# Four streams over two sequence slots: two streaming and two queued in vLLM when a fault lands.
+# 3000 tokens take the tiny model seconds even alone on the box (a wave of two: ~10 s).
+STREAMS, STREAM = 4, 3000
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +36,8 @@ def srv(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[G
     cfg = state / "guard.toml"
     # one failed probe with no token moved in 5 s is a hang here (the defaults are 2 and 30 s)
     cfg.write_text(f"[probe]\nfailures = 1\nprogress_window = '{PROGRESS_WINDOW}s'\n")
-    # Two sequences at a time and 4000-token streams: the engine works through them in waves of
-    # seconds, so a fault always finds some mid-way (with short streams the tiny model can
+    # Two sequences at a time and long streams (STREAM tokens): the engine works through them in
+    # waves of seconds, so a fault always finds some mid-way (with short streams the tiny model can
     # generate every token before the fault lands and leave only buffered output in flight).
     s = GuardServer(tiny_model, state, args=["--config", str(cfg), "--probe-interval", f"{PROBE_INTERVAL}s",
                                              "--probe-timeout", f"{PROBE_TIMEOUT}s"],
@@ -173,14 +176,14 @@ def test_kill_9_of_engine_core_restores_service_and_retries_unstarted_requests(s
     since = time.monotonic()
     st = srv.status()
     gen, pid = st["generation"], engine_pid(st)
-    first, later, _ = asyncio.run(storm(srv, 6, 4000, lambda: os.kill(pid, signal.SIGKILL), 6))
+    first, later, _ = asyncio.run(storm(srv, STREAMS, STREAM, lambda: os.kill(pid, signal.SIGKILL), 6))
     # Requests sent after the crash had not reached the backend: the next generation serves them
     # (never the dead one again, however long the next one takes to come).
     assert all(r.ok and r.completion_tokens == 8 for r in later), [r.error for r in later]
     assert {r.generation for r in later} == {str(gen + 1)}
     # Every stream ends whole: those cut by the crash went on at the next generation.
     for r in first:
-        assert r.ok and r.completion_tokens == 4000, r
+        assert r.ok and r.completion_tokens == STREAM, r
     st = srv.wait_serving(gen + 1, 600)
     assert st["requests"]["failed"] == 0 and st["requests"]["unresumable"] == 0, st["requests"]
     assert st["failures"] == 1
@@ -201,7 +204,7 @@ def test_sigstop_of_engine_core_is_a_hang_detected_by_the_probe(srv: GuardServer
     gen = st["generation"]
     pids = [c["pid"] for c in st["children"]]
     pid = engine_pid(st)
-    first, later, t_fault = asyncio.run(storm(srv, 6, 4000, lambda: os.kill(pid, signal.SIGSTOP), 4))
+    first, later, t_fault = asyncio.run(storm(srv, STREAMS, STREAM, lambda: os.kill(pid, signal.SIGSTOP), 4))
     st = srv.wait_serving(gen + 1, 600)
     hang = [f for f in st["recent_failures"] if f["kind"] == "hang"]
     assert len(hang) == 1
@@ -223,7 +226,7 @@ def test_sigstop_of_engine_core_is_a_hang_detected_by_the_probe(srv: GuardServer
     # The hung generation is killed; its streams go on at the next one and end whole, and the
     # requests that had not started are served there: nothing hangs, nothing fails.
     for r in first:
-        assert r.ok and r.completion_tokens == 4000, r
+        assert r.ok and r.completion_tokens == STREAM, r
     assert all(r.ok for r in later), [r.error for r in later]
     # the whole old process group is gone (a stopped process dies only by SIGKILL), zombies
     # included: the runtime is the subreaper of orphaned grandchildren and reaps them
