@@ -9,8 +9,9 @@
 # The run's own OUT is /tmp/bg/NAME/out (defaults.sh writes its tarball there); its log /tmp/bg/NAME/log.
 # Example, 20 gated recycles with the leak (~20 min; H200, 2026-12-06: a recycle every ~47-53 s,
 # since each generation serves its 300 plus the ~50 that queued in the gap before it; from the
-# second generation on each standby is judged at its predecessor's leak rate and parks before
-# CUDA; on a fresh machine the first start compiles from scratch, ~90 s more):
+# second generation on each standby is judged at its predecessors' leak rate and parks before
+# CUDA; on a fresh machine the first start compiles from scratch, ~90 s more; a higher --rate does
+# not shorten it: the cycle is the standby's ~40 s to park, unready_lead and the gap, H100 12-06g):
 #   start: bg.sh start leak20 env DEADLINE=1250 SCENARIOS=gated24 PROMPTS=10500 \
 #          BENCH_ARGS="--inject device_leak_mb_per_request=2" bash docs/dev/gpu-stage/defaults.sh leak20 --max-requests 300
 #   then:  bg.sh wait leak20   (twice or three times, back to back)
