@@ -24,7 +24,7 @@ from .decide import decide
 from .generation import Generation
 from .machine import Machine, State, coarse
 from .plan import ReplicaPlan
-from .steps import prior_rate
+from .steps import PRIOR_GENERATIONS, prior_rate
 from .ports import Books, Door, Hub, Spawner, Watchers
 from .view import (
     Abandon, Decision, Drain, Effect, EnforceLimits, Event, Extend, ExitAll, Facts, Failure, Finish, GiveUp, GoLive,
@@ -60,7 +60,8 @@ class ReplicaDriver:
         self.retiring: list[Generation] = []
         self.gpu_name = ""
         self.gpu_room: bool | None = None
-        self.gpu_rates: dict[int, float] = {}  # generation -> the GPU growth rate it last measured
+        # generation -> the GPU growth rate it last measured, oldest first (numbers only grow)
+        self.gpu_rates: dict[int, float] = {}
         self._room_off: Callable[[], None] | None = None
         self.overrun_logged = False
 
@@ -72,7 +73,7 @@ class ReplicaDriver:
     @property
     def gpu_mb_s(self) -> float | None:
         """The GPU growth rate the replica's last generations measured: the next one's prior."""
-        return prior_rate(self.gpu_rates[n] for n in sorted(self.gpu_rates))
+        return prior_rate(self.gpu_rates.values())
 
     def generations(self) -> list[Generation]:
         """Every generation of this replica whose processes may be alive."""
@@ -102,8 +103,8 @@ class ReplicaDriver:
         await self._read_deaths()
         if self.current is not None and self.current.gpu_mb_s is not None:
             self.gpu_rates[self.current.number] = self.current.gpu_mb_s  # kept past its end: a leak outlives it
-            for old in sorted(self.gpu_rates)[:-8]:
-                del self.gpu_rates[old]
+            if len(self.gpu_rates) > PRIOR_GENERATIONS:
+                del self.gpu_rates[next(iter(self.gpu_rates))]
         d = decide(self.view(facts()), event, self.clock())
         before = self.machine
         self.machine = d.machine

@@ -1,6 +1,7 @@
 """The steps `decide` composes: the decision being built (`Out`), how a recycle begins, switches,
 hands over and falls back, how a failure is recorded and killed, and where a stop ends. Pure,
-like `decide`; split from it so each stays small. Only `decide` calls these.
+like `decide`; split from it so each stays small. Only `decide` calls these (the driver reads
+`KILL_WAIT_S` and keeps the rates `prior_rate` turns into the next generation's prior).
 """
 
 from __future__ import annotations
@@ -209,8 +210,8 @@ def late_room(cur: GenView, parked: bool, prior_mb_s: float | None = None) -> st
     its GPU memory grows and the forecast (`to_limit_s`, the device's free memory over its growth
     rate, which counts what the standby holds) runs out within the horizon. Before its own
     forecast has its readings, a start is judged at `prior_mb_s`, the rate its predecessors
-    measured (`prior_rate`): a leak outlives the generation it showed in, and a late start it sets aside later
-    is a whole vLLM start beside the serving one for nothing."""
+    measured (`prior_rate`): a leak outlives the generation it showed in, and a late start it sets
+    aside later is a whole vLLM start beside the serving one for nothing."""
     room = LATE_PARKED_ROOM_S if parked else LATE_START_ROOM_S
     to_limit, what, rate = cur.to_limit_s, "memory grows and runs out", "this rate"
     if to_limit is None and cur.gpu_mb_s is None and not parked and prior_mb_s is not None \
