@@ -25,7 +25,10 @@ from streams import run_load, summarize
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
-TOTAL = 240
+# Exactly two recycles: generations 1 and 2 serve at most 60 + 68 (limit + jitter, plus a backlog of
+# at most one request per client for the second), so generation 3 is reached, and it gets at most
+# 40 of its own, below any limit (one cold start fewer than three recycles: CI time).
+TOTAL = 140
 CONCURRENCY = 8
 WATCHDOG_USEC = 10_000_000  # the unit's default is 60 s
 
@@ -114,9 +117,9 @@ def test_streaming_load_across_recycles_loses_nothing(load_run: dict[str, Any]) 
     assert st["requests"]["failed"] == 0
     assert st["failures"] == 0, st["recent_failures"]
     assert st["requests"]["total"] >= TOTAL
-    assert st["generation"] >= 4, "at least 3 recycles were expected"
+    assert st["generation"] >= 3, "at least 2 recycles were expected"
     gens = {r.generation for r in load_run["results"]}
-    assert len(gens) >= 4, f"requests were served by generations {sorted(gens)}"
+    assert len(gens) >= 3, f"requests were served by generations {sorted(gens)}"
 
 
 def test_a_recycle_began_with_requests_in_flight_and_queued(served: tuple[GuardServer, NotifySocket],
@@ -124,7 +127,7 @@ def test_a_recycle_began_with_requests_in_flight_and_queued(served: tuple[GuardS
     srv, _ = served
     db = sqlite3.connect(srv.state_dir / "ledger.sqlite")
     rows = db.execute("SELECT trigger, class, in_flight, max_queued, duration_s FROM recycles").fetchall()
-    assert len(rows) >= 3
+    assert len(rows) >= 2
     assert all(r[0] == "max_requests" and r[1] == "scheduled" for r in rows)
     assert any(r[2] > 0 and r[3] > 0 for r in rows), rows
     gens = db.execute("SELECT generation, requests_served, end_class FROM generations ORDER BY id").fetchall()
@@ -143,7 +146,7 @@ def test_a_generation_that_inherits_a_backlog_does_not_recycle_on_it(served: tup
     limit: every recycle came after max_requests requests of the generation's own."""
     srv, _ = served
     begins = [e for e in srv.events() if e.get("event") == "recycle_begin" and e["reason"] == "max_requests"]
-    assert len(begins) >= 3
+    assert len(begins) >= 2
     assert all(e["toward_limit"] == e["limit"] and 50 <= e["limit"] <= 60 for e in begins), begins
     assert all(e["served"] == e["toward_limit"] + e["inherited"] for e in begins), begins
     assert any(e["inherited"] > 0 for e in begins), "no generation inherited a backlog: the rule was not exercised"
