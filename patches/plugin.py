@@ -393,11 +393,27 @@ def register() -> None:
     if _STATE.get("pid") == os.getpid():
         return
     _STATE["pid"] = os.getpid()
+    if not _STATE.get("at_fork"):  # once per process tree: a forked child inherits the hook and this flag
+        _STATE["at_fork"] = True
+        os.register_at_fork(after_in_child=_load_again_after_fork)
     try:
         _register()
     except Exception:  # noqa: BLE001 - never break serving
         log.exception("vllm-guard plugin failed")
     _gate()
+
+
+def _load_again_after_fork() -> None:
+    """In a forked child: vLLM loads its general plugins again where it would in a spawned one.
+
+    vLLM keeps one flag per process (`vllm.plugins.plugins_loaded`), and a child forked from a
+    process that loaded them inherits it set, so an EngineCore forked from the API server
+    (`VLLM_WORKER_MULTIPROC_METHOD=fork`) would skip its own plugin load, and ours would never
+    apply its EngineCore patches (gate, held weights, KV audit, injection). Cleared here,
+    EngineCore's `load_general_plugins()` runs every plugin again, as a spawned EngineCore does."""
+    plugins = sys.modules.get("vllm.plugins")
+    if plugins is not None and getattr(plugins, "plugins_loaded", None) is True:
+        setattr(plugins, "plugins_loaded", False)  # noqa: B010 - a module of vLLM, not typed here
 
 
 def _gate() -> None:

@@ -1,7 +1,8 @@
 """The startup gate without a server: the registry's shape check (the engine loads plugins before
 it builds the executor), and the plugin in a fresh interpreter named like vLLM's EngineCore:
 it parks, waits for the runtime's `open`, goes on; exits when the gate stays shut or when it
-cannot park safely; never parks outside EngineCore or when not asked."""
+cannot park safely; never parks outside EngineCore or when not asked. An EngineCore forked from
+the API server (not spawned) loads the plugin again and parks too."""
 
 from __future__ import annotations
 
@@ -248,3 +249,50 @@ def test_a_warm_start_that_made_a_cuda_context_is_refused(tmp_path: Path) -> Non
     rep = contract.read_gate(gate)
     assert rep is not None and rep.state == "skipped", rep
     assert rep.reason == "CUDA was initialized while importing the warm-start list"
+
+
+# -- EngineCore forked from the API server (VLLM_WORKER_MULTIPROC_METHOD=fork on a GPU) -----------
+FORKED = """
+import json, multiprocessing, sys
+import vllm.plugins
+vllm.plugins.load_general_plugins()  # the API server: vLLM loads its general plugins, ours included
+from vllm_guard.patches.plugin import _STATE
+assert _STATE["plugin"].role == "api_server" and vllm.plugins.plugins_loaded
+
+def engine_core():  # what vLLM's EngineCore.__init__ does first, in the forked child
+    vllm.plugins.load_general_plugins()
+    print(json.dumps(_STATE["plugin"].report()), flush=True)
+
+p = multiprocessing.get_context("fork").Process(target=engine_core, name="EngineCore")
+p.start()
+print(json.dumps({"child": p.pid}), flush=True)
+p.join()
+sys.exit(p.exitcode)
+"""
+
+
+@needs_vllm
+def test_an_engine_core_forked_from_the_api_server_loads_the_plugin_again_and_parks(tmp_path: Path) -> None:
+    """vLLM keeps "plugins loaded" per process, and a forked child inherits it set: without our
+    at-fork hook a forked EngineCore would run none of its patches and never park."""
+    gate = contract.gate_dir(tmp_path, 7)
+    env = contract.gate_env({**os.environ, contract.STATE_DIR_VAR: str(tmp_path), contract.GENERATION_VAR: "7",
+                             "VLLM_PLUGINS": contract.PLUGIN_NAME}, gate, 300)
+    proc = subprocess.Popen([sys.executable, "-c", FORKED], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        rep = _wait_report(gate, proc)
+        assert rep.state == "parked" and rep.pid != proc.pid  # the forked child parked, not the API server
+        roles = {r.process for r in contract.read_states(tmp_path, 7).values()}
+        assert roles == {"api_server", "engine_core"}
+        contract.open_gate(gate)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    lines = [json.loads(line) for line in out.strip().splitlines()]
+    assert lines[0]["child"] == rep.pid
+    child = lines[-1]
+    assert child["process"] == "engine_core" and child["pid"] == rep.pid
+    for patch in ("startup-gate", "kv-block-audit"):
+        assert child["patches"][patch]["state"] == "applied", (patch, child["patches"][patch])
