@@ -16,13 +16,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=${T0:-$(date +%s)}; DEADLINE=${DEADLINE:-540}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . >/dev/null 2>&1 || echo "install failed"
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
-unset VLLM_USE_MEGA_AOT_ARTIFACT
+unset VLLM_USE_MEGA_AOT_ARTIFACT VLLM_WORKER_MULTIPROC_METHOD
 echo "script env: $(env | grep '^VLLM_' | tr '\n' ' ')"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 ( while sleep 10; do
     for p in $(grep -l EngineCore /proc/[0-9]*/cmdline 2>/dev/null | cut -d/ -f3); do
       c=$(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null | cut -c1-40); case "$c" in ""|grep*) continue ;; esac
-      v=$(tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep '^VLLM_USE_MEGA_AOT_ARTIFACT=' || echo 'VLLM_USE_MEGA_AOT_ARTIFACT unset')
+      v=$(tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep '^VLLM_USE_MEGA_AOT_ARTIFACT=\|^VLLM_WORKER_MULTIPROC_METHOD=' | sort | tr '\n' ' ')
       echo "$p $c $v"
     done
   done ) > /tmp/$NAME-env.raw 2>/dev/null &
@@ -65,7 +65,7 @@ for sc in $SCENARIOS; do
   echo "== $sc: runtime log lines"
   grep -h '"holder_\|"generation_weights"\|"generation_kv"' $d/server.log 2>/dev/null | cut -c1-300 | head -40
   python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print('holder', [r.get('holder') for r in s['replicas']])" $d/status.json 2>/dev/null
-  grep -h '"gpu_mega_aot_artifact"\|"generation_parked"\|"recycle_begin"\|"recycle_handover"\|"gate_opened"\|"generation_switched"\|"recycle_fallback"\|downtime_s' $d/server.log 2>/dev/null | cut -c1-330
+  grep -h '"gpu_mega_aot_artifact"\|"gpu_engine_fork"\|"generation_parked"\|"recycle_begin"\|"recycle_handover"\|"gate_opened"\|"generation_switched"\|"recycle_fallback"\|downtime_s' $d/server.log 2>/dev/null | cut -c1-330
   echo "== $sc: vLLM generation logs mentioning the artifact"
   grep -il 'mega\|aot' $d/generation-*.log 2>/dev/null | head; grep -ih 'mega.aot\|aot artifact\|mega_aot' $d/generation-*.log 2>/dev/null | cut -c1-250 | sort | uniq -c | head -8
 done
