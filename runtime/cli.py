@@ -394,6 +394,28 @@ def gpu_mega_aot(env: dict[str, str] | os._Environ[str], vllm_args: list[str], v
     return "1" if (major, minor) >= MEGA_AOT_SINCE else None
 
 
+ENGINE_START_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
+ENGINE_FORK_SINCE = (0, 25)  # the first vLLM release line measured with a forked, guarded EngineCore
+
+
+def gpu_engine_fork(env: dict[str, str] | os._Environ[str], version: str) -> str | None:
+    """"fork" where vLLM's GPU build should fork its EngineCore from the API server, else None.
+
+    `vllm serve` sets spawn when the variable is unset (the library's own default is fork): a
+    second interpreter that imports torch and vLLM again, 17-24 s of every start on an H100 (the
+    first, a cold recycle, a crash without a standby, a standby's time to park). The plugin loads
+    again in a forked child (patches/plugin.py), and vLLM itself falls back to spawn where CUDA is
+    already initialised in the API server. Not on a vLLM older than the ones measured; the
+    operator's own setting (spawn included) wins."""
+    if ENGINE_START_VAR in env:
+        return None
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return None
+    return "fork" if (major, minor) >= ENGINE_FORK_SINCE else None
+
+
 def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
     import structlog
 
@@ -441,6 +463,11 @@ def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
             structlog.get_logger("vllm_guard.serve").info(
                 "gpu_mega_aot_artifact", value=aot, why=f"{MEGA_AOT_VAR} unset: one compiled artifact loads "
                 "seconds faster per start, decode unchanged")
+        if not cpu_build and (method := gpu_engine_fork(os.environ, version)) is not None:
+            os.environ[ENGINE_START_VAR] = method  # every generation's `vllm serve` reads it before its EngineCore starts
+            structlog.get_logger("vllm_guard.serve").info(
+                "gpu_engine_fork", value=method, why=f"{ENGINE_START_VAR} unset: `vllm serve` would spawn EngineCore, "
+                "a second interpreter importing torch and vLLM again")
         model = cfg.server.model
         if not model:
             try:

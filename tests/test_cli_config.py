@@ -160,3 +160,14 @@ def test_a_gpu_vllm_loads_its_compiled_graph_as_one_artifact_unless_the_operator
     assert gpu_mega_aot({}, ["--enforce-eager"], "0.25.1") is None  # nothing compiled
     assert gpu_mega_aot({}, [], "0.11.2") is None  # older than any vLLM measured with it
     assert gpu_mega_aot({}, [], "") is None  # version unknown
+
+
+def test_a_gpu_vllm_forks_its_engine_core_unless_the_operator_says_otherwise() -> None:
+    from vllm_guard.runtime.cli import ENGINE_START_VAR, gpu_engine_fork
+
+    assert gpu_engine_fork({}, "0.25.1") == "fork"
+    assert gpu_engine_fork({}, "0.32.0") == "fork"
+    assert gpu_engine_fork({ENGINE_START_VAR: "spawn"}, "0.25.1") is None  # the operator's wins
+    assert gpu_engine_fork({ENGINE_START_VAR: "fork"}, "0.25.1") is None  # already theirs: nothing to say
+    assert gpu_engine_fork({}, "0.11.2") is None  # older than any vLLM measured with it
+    assert gpu_engine_fork({}, "") is None  # version unknown
