@@ -373,6 +373,16 @@ def cpu_omp_bind(cfg: GuardConfig, env: dict[str, str] | os._Environ[str]) -> st
     return "nobind" if two_at_once(s.recycle_strategy, s.standby, s.replicas) else None
 
 
+def release_line(version: str) -> tuple[int, int] | None:
+    """vLLM's release line, (0, 25) for "0.25.1+cu130"; None where the version is unknown. The
+    GPU defaults below are gated on the lines they were measured with."""
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
 MEGA_AOT_VAR = "VLLM_USE_MEGA_AOT_ARTIFACT"
 MEGA_AOT_SINCE = (0, 25)  # the first vLLM release line measured with it (docs/BENCHMARKS.md)
 
@@ -387,11 +397,8 @@ def gpu_mega_aot(env: dict[str, str] | os._Environ[str], vllm_args: list[str], v
     a vLLM older than the ones measured; the operator's own setting (even "0") wins."""
     if MEGA_AOT_VAR in env or "--enforce-eager" in vllm_args:
         return None
-    try:
-        major, minor = (int(x) for x in version.split(".")[:2])
-    except ValueError:
-        return None
-    return "1" if (major, minor) >= MEGA_AOT_SINCE else None
+    line = release_line(version)
+    return "1" if line is not None and line >= MEGA_AOT_SINCE else None
 
 
 ENGINE_START_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
@@ -409,11 +416,8 @@ def gpu_engine_fork(env: dict[str, str] | os._Environ[str], version: str) -> str
     operator's own setting (spawn included) wins."""
     if ENGINE_START_VAR in env:
         return None
-    try:
-        major, minor = (int(x) for x in version.split(".")[:2])
-    except ValueError:
-        return None
-    return "fork" if (major, minor) >= ENGINE_FORK_SINCE else None
+    line = release_line(version)
+    return "fork" if line is not None and line >= ENGINE_FORK_SINCE else None
 
 
 def cmd_serve(args: argparse.Namespace, vllm_args: list[str]) -> int:
