@@ -8,7 +8,7 @@
 set -u
 name=$1 sc=$2 n=$3 limit=${4:-540}
 log=/tmp/$name/$sc/server.log; gens=/tmp/st-$name/$sc/logs; t=$(date +%s); sent=0
-count() { grep -c '"recycle_done"' "$log" 2>/dev/null || echo 0; }
+count() { local n; n=$(grep -c '"recycle_done"' "$log" 2>/dev/null); echo "${n:-0}"; }  # grep -c prints 0 and fails when none
 echo "== peek at $(date -u +%T): runtime events"
 grep -h '"gpu_engine_fork"\|"gpu_mega_aot_artifact"\|"generation_parked"\|"recycle_done"' "$log" 2>/dev/null | cut -c1-260 | tail -6
 echo "== EngineCore's own plugin lines (first generations)"
