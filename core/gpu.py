@@ -17,6 +17,11 @@ brake (0x80). The SW power cap (0x4) is reported apart as *power capped*: a card
 load normally runs at its power limit, so counting it would call every busy GPU throttled.
 Idle (0x1) is neither.
 
+GPU size: a GPU's total memory, for every forecast and fit (the runtime's, the watchdog's, the
+report's), is NVML's total capped at `[inject] gpu_memory_budget_gib` when that is set: the
+injected budget makes a large card act as a smaller one for vLLM, so the time to out of memory
+must be read against the same smaller card (`capped_total_mb`).
+
 Clock drop: the mean, over busy samples (not idle, both clocks known), of how far the SM clock
 sits below its maximum, in %: a sustained drop, what the watchdog alarms on and the report
 states (`clock_drop_pct`).
@@ -39,6 +44,12 @@ REASON_NAMES = {GPU_IDLE: "idle", SW_POWER_CAP: "sw_power_cap", HW_SLOWDOWN: "hw
 THERMAL_MASK = HW_SLOWDOWN | SW_THERMAL | HW_THERMAL
 THROTTLE_MASK = THERMAL_MASK | HW_POWER_BRAKE
 POWER_CAP_MASK = SW_POWER_CAP
+
+
+def capped_total_mb(total_mb: float, cap_mb: float) -> float:
+    """A GPU's total memory by the GPU-size rule: NVML's total, capped at an injected budget
+    (`cap_mb` > 0)."""
+    return min(total_mb, cap_mb) if cap_mb > 0 else total_mb
 
 
 def throttled(reasons: int | None) -> bool:

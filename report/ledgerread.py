@@ -101,6 +101,7 @@ class WatchdogMeta:
     gpu_profile: str | None = None
     gpu_budget_mb: float | None = None
     gpu_names: tuple[str, ...] = ()
+    gpu_cap_mb: float = 0.0  # an injected budget the card acted as (`core.gpu.capped_total_mb`); 0: none
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,8 @@ def _soak_status(conn: sqlite3.Connection, problems: Problems) -> list[SoakStatu
     return out
 
 
-_META_TYPES: dict[str, tuple[type, ...]] = {"gpu_profile": (str,), "gpu_budget_mb": (int, float), "gpu_names": (list,)}
+_META_TYPES: dict[str, tuple[type, ...]] = {"gpu_profile": (str,), "gpu_budget_mb": (int, float), "gpu_names": (list,),
+                                            "gpu_cap_mb": (int, float)}
 
 
 def _meta_ok(name: str, v: Any) -> bool:
@@ -244,7 +246,7 @@ def _watchdog_meta(conn: sqlite3.Connection, problems: Problems) -> WatchdogMeta
         if not _meta_ok(name, v):
             problems.add(f"meta {key}", ProtocolError(f"value {v!r} is not {'/'.join(t.__name__ for t in _META_TYPES[name])}"))
             continue
-        found[name] = tuple(v) if name == "gpu_names" else float(v) if name == "gpu_budget_mb" else v
+        found[name] = tuple(v) if name == "gpu_names" else float(v) if name in ("gpu_budget_mb", "gpu_cap_mb") else v
     return WatchdogMeta(**found)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_guard.core import leak as rule
+from vllm_guard.core.gpu import capped_total_mb
 from vllm_guard.core.samples import Tick
 from vllm_guard.core.stats import theil_sen
 from vllm_guard.core.timefmt import epoch
@@ -114,11 +115,12 @@ def series(points: list[MemPoint], metric: str, warmup: int) -> dict[Any, rule.S
     return {k: rule.Series(*v) for k, v in cols.items()}
 
 
-def gpu_headroom(ticks: list[Tick] | None, budget_mb: float | None, points: list[MemPoint]
+def gpu_headroom(ticks: list[Tick] | None, budget_mb: float | None, points: list[MemPoint], cap_mb: float = 0.0
                  ) -> tuple[float | None, str]:
     """GPU MB left at the end, by the watchdog's rule: its GPU budget (meta) minus what the
-    service's processes hold, else the least free memory of the GPUs (NVML total - used), from
-    the watchdog's last NVML tick, else from the runtime's last reading."""
+    service's processes hold, else the least free memory of the GPUs (NVML total, capped at an
+    injected budget `cap_mb` by core.gpu's rule, - used), from the watchdog's last NVML tick, else
+    from the runtime's last reading (capped by the runtime already)."""
     last = next((s for s in reversed(ticks or []) if s.nvml is not None and s.nvml.gpus), None)
     if last is not None and last.nvml is not None:
         gpus = last.nvml.gpus
@@ -126,11 +128,12 @@ def gpu_headroom(ticks: list[Tick] | None, budget_mb: float | None, points: list
             ours = {int(p) for p in (last.procs or {})}
             used = sum(p.used_mb or 0.0 for g in gpus for p in g.processes if not ours or p.pid in ours)
             return budget_mb - used, f"the watchdog's GPU budget {budget_mb:g} MB minus the service's {used:g} MB"
-        free = [(g.mem_total_mb - g.mem_used_mb, g.mem_total_mb) for g in gpus
-                if g.mem_total_mb is not None and g.mem_used_mb is not None]
+        free = [(capped_total_mb(g.mem_total_mb, cap_mb) - g.mem_used_mb, capped_total_mb(g.mem_total_mb, cap_mb))
+                for g in gpus if g.mem_total_mb is not None and g.mem_used_mb is not None]
         if free:
             left, total = min(free)
-            return left, f"NVML free memory ({left:g} of {total:g} MB)"
+            of = f"an injected {total:g} MB budget" if cap_mb > 0 and total == cap_mb else f"{total:g} MB"
+            return left, f"NVML free memory ({left:g} of {of})"
     own = [p for p in points if p.gpu_free_mb is not None]
     if own:
         p = max(own, key=lambda p: p.t)
@@ -198,7 +201,7 @@ def leak_report(d: LedgerData, replicas: list[int]) -> LeakFigures:
                            warmup_from=warmup_from)
     avail = [p.host_available_mb for p in sorted(points, key=lambda p: p.t) if p.host_available_mb]
     host = avail[-1] if avail else None
-    gpu_head = gpu_headroom(d.ticks, d.watchdog_meta.gpu_budget_mb, points)
+    gpu_head = gpu_headroom(d.ticks, d.watchdog_meta.gpu_budget_mb, points, d.watchdog_meta.gpu_cap_mb)
     procs = process_leaks(points, None, warmup, host, gpu_head)
     if len(replicas) > 1:
         for r in replicas:

@@ -151,3 +151,16 @@ def test_the_shipped_examples_forecast_only_the_leak() -> None:
     assert eng["per_100_requests"]["slope"] == pytest.approx(40, rel=0.05) and eng["time_to_oom_h"] > 0
     shipped = (ROOT / "docs" / "examples" / "report-steady.txt").read_text()
     assert "Out of memory: no forecast" in shipped and "out of memory in" not in shipped
+
+
+@pytest.mark.parametrize("cap_mb,left,of", [(0.0, 81559.0 - 20000.0, "81559 MB"),
+                                            (24576.0, 24576.0 - 20000.0, "an injected 24576 MB budget")])
+def test_the_report_reads_gpu_headroom_by_the_watchdogs_rule_capped_at_an_injected_budget(
+        cap_mb: float, left: float, of: str) -> None:
+    """The report's GPU headroom is the watchdog's: NVML free memory, with the card's total capped
+    at an injected budget (the watchdog records it as `gpu_cap_mb`) by core.gpu's one rule."""
+    from vllm_guard.report.memory import gpu_headroom
+
+    tick = Tick.model_validate({"at": "2026-12-07T09:30:00.000Z", "nvml": {"at_s": 1.0, "gpus": [
+        {"index": 0, "uuid": "GPU-x", "name": "NVIDIA H100 80GB HBM3", "mem_total_mb": 81559.0, "mem_used_mb": 20000.0}]}})
+    assert gpu_headroom([tick], None, [], cap_mb) == (left, f"NVML free memory ({left:g} of {of})")

@@ -52,6 +52,23 @@ def test_once_json_never_imports_vllm_or_torch(tmp_path: Path) -> None:
     meta = dict(sqlite3.connect(tmp_path / "ledger.sqlite").execute("SELECT key, value FROM meta"))
     assert json.loads(meta["watchdog.gpu_profile"]) == "rtx4090"
     assert json.loads(meta["watchdog.gpu_names"]) == ["NVIDIA GeForce RTX 4090"]
+    assert json.loads(meta["watchdog.gpu_cap_mb"]) == 0  # no injected budget: the card's own size
+
+
+def test_an_injected_gpu_budget_is_the_card_size_the_watchdog_records(tmp_path: Path) -> None:
+    """`[inject] gpu_memory_budget_gib` in the service's guard.toml: the watchdog reads the GPU's
+    headroom against it, as the runtime does, and records it for the report."""
+    cfg = tmp_path / "guard.toml"
+    cfg.write_text('[watchdog]\nkernel = "off"\n[inject]\ngpu_memory_budget_gib = 12\n')
+    out = subprocess.run([*WATCHDOG, "--config", str(cfg), "--once", "--state-dir", str(tmp_path),
+                          "--nvml-trace", str(FIX / "nvml_thermal_4090.jsonl")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    meta = dict(sqlite3.connect(tmp_path / "ledger.sqlite").execute("SELECT key, value FROM meta"))
+    assert json.loads(meta["watchdog.gpu_cap_mb"]) == 12288
+    from vllm_guard.report.ledgerread import load
+
+    assert load(tmp_path / "ledger.sqlite").watchdog_meta.gpu_cap_mb == 12288.0  # what the report reads
 
 
 @pytest.mark.parametrize("entry", list(ENTRIES))

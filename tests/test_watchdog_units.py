@@ -372,6 +372,27 @@ def test_drift_on_gpu_per_process_memory_with_gpu_headroom() -> None:
     assert v["time_to_oom_s"] == pytest.approx((24564 - 600 - 22038 - 0.1465 * 1995) / (0.1465 * 5), rel=0.05)
 
 
+@pytest.mark.parametrize("cap_mb", [0.0, 24564.0])
+def test_an_injected_budget_makes_the_card_that_small_for_the_gpu_forecast(cap_mb: float) -> None:
+    """`[inject] gpu_memory_budget_gib` on an 80 GB card: vLLM runs as on a 24 GB one, so the time
+    to out of memory is read against 24 GB, as the runtime reads it (core.gpu's GPU-size rule)."""
+    d = DriftDetector(cfg_of({"forecast_horizon": "1h"}), gpu_cap_mb=cap_mb)
+    res = None
+    for i in range(400):
+        req = i * 5
+        used = 22038.0 + 0.1465 * req
+        g = _gpu(mem_total_mb=81559.0, mem_used_mb=used + 600, processes=[{"pid": 77, "used_mb": used}])
+        res = d.check(sample(t=float(i), status=status(requests=RequestCounters(total=req)),
+                             nvml=NvmlRecord(at_s=float(i), gpus=[g]),
+                             procs={77: ProcReading(role=Role.ENGINE_CORE, rss_mb=900.0)}, host=_host(1e5)))
+    assert res is not None
+    v = [x for x in res.findings if x.key == "gpu:77"][0].data
+    total = 24564.0 if cap_mb else 81559.0
+    assert v["headroom_mb"] == pytest.approx(total - 600 - 22038 - 0.1465 * 1995, abs=10)  # judged every 10 s
+    assert v["time_to_oom_s"] == pytest.approx((total - 600 - 22038 - 0.1465 * 1995) / (0.1465 * 5), rel=0.05)
+    assert gpu.capped_total_mb(81559.0, 0.0) == 81559.0 and gpu.capped_total_mb(81559.0, 1e6) == 81559.0
+
+
 # -- the one throttle rule ------------------------------------------------------------------------
 def test_throttle_rule_power_cap_is_apart() -> None:
     assert gpu.throttled(0x20) and gpu.throttled(0x80) and gpu.thermal(0x40)

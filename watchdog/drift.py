@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm_guard.core.config import WatchdogConfig
 from vllm_guard.core.ledger import EndClass
-from vllm_guard.core import leak
+from vllm_guard.core import gpu, leak
 from vllm_guard.core.stats import time_to_exhaust
 
 from .base import Action, CheckResult, Finding, Health, Sample, result
@@ -36,8 +36,9 @@ class Series:
 class DriftDetector:
     name = "memory_drift"
 
-    def __init__(self, cfg: WatchdogConfig) -> None:
+    def __init__(self, cfg: WatchdogConfig, gpu_cap_mb: float = 0.0) -> None:
         self.cfg = cfg
+        self.gpu_cap_mb = gpu_cap_mb  # `[inject] gpu_memory_budget_gib`: the card acts this small
         self.series: dict[tuple[str, int], Series] = {}
 
     def is_supported(self, s: Sample) -> bool:
@@ -66,7 +67,8 @@ class DriftDetector:
         if self.cfg.gpu_budget_mb:
             used = sum(p.used_mb or 0.0 for g in gpus for p in g.processes if p.pid in procs)
             return self.cfg.gpu_budget_mb - used
-        free = [g.mem_total_mb - g.mem_used_mb for g in gpus if g.mem_total_mb is not None and g.mem_used_mb is not None]
+        free = [gpu.capped_total_mb(g.mem_total_mb, self.gpu_cap_mb) - g.mem_used_mb
+                for g in gpus if g.mem_total_mb is not None and g.mem_used_mb is not None]
         return min(free) if free else None
 
     def check(self, s: Sample) -> CheckResult:

@@ -61,7 +61,7 @@ class Watchdog:
 
     def __init__(self, cfg: WatchdogConfig, state_dir: str | Path, exporter: bool = True,
                  env: Mapping[str, str] | None = None, api_key: str | None = None,
-                 nvml: NvmlSource | None = None, gpus: Sequence[str] = ()) -> None:
+                 nvml: NvmlSource | None = None, gpus: Sequence[str] = (), gpu_cap_mb: float = 0.0) -> None:
         self.cfg = cfg
         self.state_dir = Path(state_dir)
         self.api_key = api_key
@@ -80,7 +80,7 @@ class Watchdog:
         boot, seen = self.ledger.last_host()
         self.hang = HangDetector(cfg)
         self.detectors: list[Detector] = [
-            DriftDetector(cfg), ThermalDetector(cfg), OomDetector(), self.hang, XidDetector(),
+            DriftDetector(cfg, gpu_cap_mb), ThermalDetector(cfg), OomDetector(), self.hang, XidDetector(),
             RebootDetector(boot, seen),
         ]
         self.policy = Policy(cfg)

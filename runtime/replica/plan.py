@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from vllm_guard.core import plugin
 from vllm_guard.core.config import ConfigError, GuardConfig
-from vllm_guard.core.gpu import select_gpus, visible_uuids
+from vllm_guard.core.gpu import capped_total_mb, select_gpus, visible_uuids
 from vllm_guard.core.host import host_memory
 from vllm_guard.core.protocol import MemoryReading, Role
 from vllm_guard.core.vllm_api import arg_value
@@ -119,8 +119,7 @@ def memory_fit(cfg: GuardConfig, reading: MemoryReading | None, devices: Mapping
     mine = [devices[u] for u in uuids if u in devices]
     if not mine:
         return fit
-    budget = cfg.inject.gpu_memory_budget_gib * 1024
-    totals = [min(total, budget) if budget else total for _, total in mine]
+    totals = [capped_total_mb(total, cfg.inject.gpu_memory_budget_gib * 1024) for _, total in mine]
     util = gpu_utilization(cfg.server.vllm_args)
     per_gpu = None
     if reading is not None and reading.gpu_mb is not None:
