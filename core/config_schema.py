@@ -268,6 +268,12 @@ class InjectConfig(Section, frozen=True):
     def active(self) -> dict[str, float | int]:
         return {k: getattr(self, k) for k in self.__struct_fields__ if getattr(self, k)}
 
+    @property
+    def gpu_cap_mb(self) -> float:
+        """`gpu_memory_budget_gib` in MiB: the size every GPU forecast reads the card as
+        (`core.gpu.capped_total_mb`); 0: the card's own."""
+        return self.gpu_memory_budget_gib * 1024
+
 
 class PatchesConfig(Section, frozen=True):
     """[patches]: what the plugin does in each vLLM process; `enabled = false` turns all off."""

@@ -128,10 +128,10 @@ def gpu_headroom(ticks: list[Tick] | None, budget_mb: float | None, points: list
             ours = {int(p) for p in (last.procs or {})}
             used = sum(p.used_mb or 0.0 for g in gpus for p in g.processes if not ours or p.pid in ours)
             return budget_mb - used, f"the watchdog's GPU budget {budget_mb:g} MB minus the service's {used:g} MB"
-        free = [(capped_total_mb(g.mem_total_mb, cap_mb) - g.mem_used_mb, capped_total_mb(g.mem_total_mb, cap_mb))
-                for g in gpus if g.mem_total_mb is not None and g.mem_used_mb is not None]
-        if free:
-            left, total = min(free)
+        sizes = [(capped_total_mb(g.mem_total_mb, cap_mb), g.mem_used_mb)
+                 for g in gpus if g.mem_total_mb is not None and g.mem_used_mb is not None]
+        if sizes:
+            left, total = min((total - used, total) for total, used in sizes)
             of = f"an injected {total:g} MB budget" if cap_mb > 0 and total == cap_mb else f"{total:g} MB"
             return left, f"NVML free memory ({left:g} of {of})"
     own = [p for p in points if p.gpu_free_mb is not None]

@@ -87,7 +87,7 @@ async def _main(st: Settings, once: bool, as_json: bool) -> int:
     nvml = open_nvml(st.watchdog)  # first: the GPU's name picks the profile the detectors are built with
     names = nvml.names()
     cfg, profile = apply_profile(st.watchdog, st.guard.explicit.get("watchdog", set()), names[0] if names else "")
-    cap = st.guard.inject.gpu_memory_budget_gib * 1024  # the card acts this small (core.gpu's rule)
+    cap = st.guard.inject.gpu_cap_mb  # the card acts this small (core.gpu's rule)
     wd = Watchdog(cfg, st.state_dir, exporter=not once, env=st.env, api_key=st.api_key, gpus=st.gpus, nvml=nvml,
                   gpu_cap_mb=cap)
     wd.ledger.set_meta({"gpu_profile": profile, "gpu_budget_mb": cfg.gpu_budget_mb, "gpu_names": names,

@@ -119,7 +119,7 @@ def memory_fit(cfg: GuardConfig, reading: MemoryReading | None, devices: Mapping
     mine = [devices[u] for u in uuids if u in devices]
     if not mine:
         return fit
-    totals = [capped_total_mb(total, cfg.inject.gpu_memory_budget_gib * 1024) for _, total in mine]
+    totals = [capped_total_mb(total, cfg.inject.gpu_cap_mb) for _, total in mine]
     util = gpu_utilization(cfg.server.vllm_args)
     per_gpu = None
     if reading is not None and reading.gpu_mb is not None:
