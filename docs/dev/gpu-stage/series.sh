@@ -1,0 +1,38 @@
+#!/bin/bash
+# The whole side-by-side series of one card, back to back in one detached run (bg.sh), each
+# scenario its own defaults.sh run and tarball (so a machine taken back mid-run still leaves the
+# finished ones in the run's OUT): plain vLLM (pristine, 900 prompts), gated24 (--max-requests 600,
+# 1 800 prompts), kills24 (2 100 prompts, kills at 90 and 190 s), overlap80 (--max-requests 300,
+# 900 prompts), then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
+# On a staged device (r.sh 4), ~1 100 s on a fresh H200 before the sweep:
+#   bash docs/dev/gpu-stage/bg.sh start series env SWEEP_S=240 SIZES=174-256 bash docs/dev/gpu-stage/series.sh
+#   bash docs/dev/gpu-stage/bg.sh wait series 560      # back to back until it has ended
+set -u
+d=docs/dev/gpu-stage
+one() {  # NAME DEADLINE SCENARIO PROMPTS [BENCH_ARGS] -- [serve flags]
+  local name=$1 dl=$2 sc=$3 n=$4 ba=${5:-}; shift 5
+  echo "=== $name ($sc, $n prompts) at $(date -u +%T)"
+  T0=$(date +%s) DEADLINE=$dl SCENARIOS=$sc PROMPTS=$n BENCH_ARGS="$ba" bash $d/defaults.sh "$name" "$@"
+}
+ONLY=${ONLY:-"plain gated24 kills24 overlap80"}
+for sc in $ONLY; do
+  case $sc in
+  plain) one s-plain 330 plain 900 "" ;;
+  gated24) one s-gated24 420 gated24 1800 "" --max-requests 600 ;;
+  kills24) one s-kills24 400 kills24 2100 "--kill-at 90 190" ;;
+  overlap80) one s-overlap80 300 overlap80 900 "" --max-requests 300 ;;
+  esac
+done
+if [ "${SWEEP_S:-0}" -gt 0 ]; then
+  echo "=== decode sweep ${SIZES:-174-256} at $(date -u +%T), budget ${SWEEP_S} s"
+  export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+  mkdir -p /tmp/decode
+  python3 bench/gpu_decode_sweep.py --out /tmp/decode --model /tmp/llama7b --tokenizer /tmp/tiny \
+    --config plain=VLLM_PLUGINS= \
+    --config 'guard=VLLM_USE_MEGA_AOT_ARTIFACT=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True' \
+    --config plain2=VLLM_PLUGINS= --sizes "${SIZES:-174-256}" --budget-s "$SWEEP_S" --recheck-reserve-s 25 \
+    > /tmp/decode/sweep.log 2>&1
+  echo "sweep rc=$?"; tail -c 1500 /tmp/decode/sweep.log
+  tar cJf "${OUT:-/tmp/out}/decode.tar.xz" -C /tmp decode
+fi
+echo "=== series done at $(date -u +%T)"
