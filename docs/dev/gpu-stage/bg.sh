@@ -40,6 +40,7 @@ wait)
     mkdir -p "${OUT:-/tmp/out}" && cp -a "$d/out/." "${OUT:-/tmp/out}/"
   else
     echo "== $name still running after $(( $(date +%s) - t )) s: call wait again within 30 s"
+    mkdir -p "${OUT:-/tmp/out}" && cp -a "$d/out/." "${OUT:-/tmp/out}/"  # what has finished so far
   fi ;;
 *) echo "usage: bg.sh start NAME COMMAND... | wait NAME [SECONDS]" >&2; exit 2 ;;
 esac
