@@ -3,7 +3,7 @@
 # scenario its own defaults.sh run and tarball (so a machine taken back mid-run still leaves the
 # finished ones in the run's OUT): plain vLLM (pristine, 900 prompts), gated24 (--max-requests 600,
 # 1 800 prompts), kills24 (2 100 prompts, kills at 90 and 190 s), overlap80 (--max-requests 300,
-# 900 prompts; KPROMPTS and KILLS shorten the kills run), then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
+# 900 prompts; plain2 a second plain run, an A/A control; KPROMPTS and KILLS shorten the kills run), then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
 # On a staged device (r.sh 4), ~1 100 s on a fresh H200 before the sweep:
 #   bash docs/dev/gpu-stage/bg.sh start series env SWEEP_S=240 SIZES=174-256 bash docs/dev/gpu-stage/series.sh
 #   bash docs/dev/gpu-stage/bg.sh wait series 560      # back to back until it has ended
@@ -18,6 +18,7 @@ ONLY=${ONLY:-"plain gated24 kills24 overlap80"}
 for sc in $ONLY; do
   case $sc in
   plain) one s-plain 330 plain 900 "" ;;
+  plain2) one s-plain2 330 plain 900 "" ;;  # an A/A control: plain's own spread beside the first
   gated24) one s-gated24 420 gated24 1800 "" --max-requests 600 ;;
   kills24) one s-kills24 400 kills24 "${KPROMPTS:-2100}" "--kill-at ${KILLS:-90 190}" ;;
   overlap80) one s-overlap80 300 overlap80 900 "" --max-requests 300 ;;
