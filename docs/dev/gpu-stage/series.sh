@@ -2,9 +2,10 @@
 # The whole side-by-side series of one card, back to back in one detached run (bg.sh), each
 # scenario its own defaults.sh run and tarball (so a machine taken back mid-run still leaves the
 # finished ones in the run's OUT): plain vLLM (pristine, 900 prompts), gated24 (--max-requests 600,
-# 1 800 prompts), kills24 (2 100 prompts, kills at 90 and 190 s), overlap80 (--max-requests 300,
-# 900 prompts; plain2 a second plain run, an A/A control; KPROMPTS and KILLS shorten the kills run), then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
-# On a staged device (r.sh 4), ~1 100 s on a fresh H200 before the sweep:
+# 1 800 prompts), kills24 (2 100 prompts, kills at 90 and 190 s; KPROMPTS and KILLS shorten it),
+# overlap80 (--max-requests 300, 900 prompts), in the order of ONLY (plain2: a second pristine run,
+# an A/A control); then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
+# On a staged device (r.sh 4); on a fresh H100 the four took ~990 s with KPROMPTS=1500 (2026-12-07):
 #   bash docs/dev/gpu-stage/bg.sh start series env SWEEP_S=240 SIZES=174-256 bash docs/dev/gpu-stage/series.sh
 #   bash docs/dev/gpu-stage/bg.sh wait series 560      # back to back until it has ended
 set -u
