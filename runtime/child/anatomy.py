@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from vllm_guard.core.phases import ORDER, UNDER_WAY
+
 # vLLM's log lines for its own phases (0.25 and 0.32), first match wins per phase
 VLLM_PHASES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("model_load_started", re.compile(r"Starting to load model")),
@@ -23,17 +25,6 @@ VLLM_PHASES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("engine_up", re.compile(r"init engine \(profile, create kv cache, warmup model\) took")),
     ("api_up", re.compile(r"Application startup complete")),
 )
-# the order a start goes through (the runtime's milestones among vLLM's)
-ORDER = ("spawned", "parked", "gate_opened", "model_load_started", "weights_loaded", "compiled", "kv_allocated",
-         "graphs_captured", "engine_up", "api_up", "health_ok", "ready", "first_request")
-# what a start is doing once it has reached each phase (a start that dies says where it was)
-UNDER_WAY = {
-    "spawned": "starting vLLM", "parked": "parked at its startup gate", "gate_opened": "starting the engine",
-    "model_load_started": "loading weights", "weights_loaded": "compiling and profiling",
-    "compiled": "allocating the KV cache", "kv_allocated": "warming up", "graphs_captured": "warming up",
-    "engine_up": "starting the API server", "api_up": "waiting for /health", "health_ok": "readiness probe",
-    "ready": "going live", "first_request": "serving",
-}
 
 
 @dataclass
