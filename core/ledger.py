@@ -550,6 +550,7 @@ class GenerationRow:
     replica: int = 0
     strategy: str | None = None
     updated_at: str | None = None  # the runtime's last incremental update of a serving generation
+    start_phases: str | None = None  # JSON [[phase, seconds after spawn], ...] (core.phases)
 
 
 @dataclass(frozen=True)

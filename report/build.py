@@ -24,7 +24,7 @@ from vllm_guard.core.ledger import SCHEMA_VERSION, newer_line
 from vllm_guard.core.reliability import ServiceFigures, of_replica, replicas_of, service_figures
 from vllm_guard.core.timefmt import utcnow
 
-from . import attribution, cost, ledgerread, memory, sla, summary, thermal, traffic
+from . import attribution, cost, ledgerread, memory, sla, summary, tail, thermal, traffic
 from .figures import (
     SCHEMA, IncidentFigures, IncidentRow, ReplicaFigures, Report, Summary, TableHealth, to_json,
 )
@@ -135,7 +135,7 @@ def build(d: ledgerread.LedgerData, opts: Options | None = None, now: float | No
                                 d.status_problems.first or None),
         runtime_minutes=_minutes(d),
         thermal=thermal.thermal_report(d.ticks, ends[np.isfinite(ends)]),
-        traffic=served, soak=soak_report(d.requests, d.errors, d.runs),
+        traffic=served, tail=tail.tail_report(d.waits, d.runtime), soak=soak_report(d.requests, d.errors, d.runs),
         sla=sla.sla_report(box, source, opts.tiers, opts.sla_latency),
         cost=cost.cost_report(d.ticks, served, t0, t1, svc, label, opts.prices),
         patches=_patch_states(d),

@@ -117,6 +117,42 @@ class TrafficFigures:
 
 
 @dataclass(frozen=True)
+class TailCount:
+    """Requests whose wait for a first token overlapped one kind of moment (report/tail.py), in
+    the tail and among all; `part` names a start's part for `standby` and `beside`."""
+
+    kind: str
+    part: str
+    tail: int
+    all: int
+
+
+@dataclass(frozen=True)
+class SlowRequest:
+    at: str  # arrival, ISO UTC
+    replica: int
+    generation: int
+    ttft_s: float
+    kind: str
+    what: str
+
+
+@dataclass(frozen=True)
+class TailFigures:
+    """Where the slowest first tokens waited (report/tail.py)."""
+
+    present: bool
+    note: str
+    quantile: float = 0.99
+    requests: int = 0
+    slowest: int = 0
+    threshold_s: float | None = None
+    kinds: list[TailCount] = field(default_factory=list)
+    parts: list[TailCount] = field(default_factory=list)
+    slowest_requests: list[SlowRequest] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class SoakHour:
     hour: int
     requests: int
@@ -362,6 +398,7 @@ class Report:
     runtime_minutes: TableHealth
     thermal: ThermalFigures
     traffic: TrafficFigures
+    tail: TailFigures
     soak: SoakFigures
     sla: SlaFigures
     cost: CostFigures

@@ -79,6 +79,15 @@ def _sections(f: Report, d: LedgerData) -> str:
         ["tokens per kWh", c.tokens_per_kwh], ["TCO", f"{c.tco.total:,.0f} {c.prices.currency}"
                                                if c.tco and c.tco.total and c.prices else "-"]], "cost") \
         + "".join(f'<p class="note">{html.escape(n)}</p>' for n in c.notes)
+    tl = f.tail
+    tail = (_table(["waited through", "part", "of the slowest", "of all requests"],
+                   [[c.kind, "", c.tail, c.all] for c in tl.kinds] + [[c.kind, c.part, c.tail, c.all] for c in tl.parts],
+                   "tail")
+            + _table(["arrived (UTC)", "replica", "generation", "TTFT ms", "waited through", "what"],
+                     [[r.at, r.replica, r.generation, _ms(r.ttft_s), r.kind, r.what] for r in tl.slowest_requests],
+                     "slowest")
+            + f'<p class="note">the slowest {100 * (1 - tl.quantile):.0f} %: {tl.slowest} of {tl.requests} requests, '
+              f'TTFT ≥ {_ms(tl.threshold_s)} ms</p>') if tl.present else f'<p class="note">{html.escape(tl.note)}</p>'
     no_mem = lk.note if not lk.processes else "no readings of this kind"
     soak = ""
     if f.soak.present:
@@ -97,6 +106,7 @@ def _sections(f: Report, d: LedgerData) -> str:
         f'<h2 id="sla">SLA per hour ({html.escape(sl.source or "-")} requests)</h2>', hours,
         '<h2 id="latency">Latency</h2>', tr,
         _img(plots.latency_plot(d, sl, sl.latency), "latency over time", t.note or "no requests recorded"),
+        '<h2 id="tail">Where the slowest first tokens waited</h2>', tail,
         '<h2 id="throughput">Throughput</h2>',
         _img(plots.throughput_plot(d), "throughput over time", t.note or "no requests recorded"),
         '<h2 id="cost">Cost</h2>', cost, soak,

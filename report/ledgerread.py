@@ -155,6 +155,22 @@ MEMORY_FIELDS = ("at", "replica", "generation", "pid", "role", "requests", "rss_
                  "host_available_mb", "gpu_free_mb")
 
 
+@dataclass(frozen=True)
+class Waits:
+    """The runtime's per-request rows with a first token (`edge_requests`), as arrays: one
+    element a request, in the table's order."""
+
+    arrived: np.ndarray
+    ttft_s: np.ndarray
+    replica: np.ndarray
+    generation: np.ndarray
+
+    @staticmethod
+    def empty() -> Waits:
+        z = np.zeros(0)
+        return Waits(z, z, z.astype(int), z.astype(int))
+
+
 @dataclass
 class LedgerData:
     path: str
@@ -174,6 +190,7 @@ class LedgerData:
     minute_problems: Problems = field(default_factory=Problems)
     edge_request_rows: int = 0  # per-request rows the runtime kept (its retention)
     edge_span: tuple[float, float] | None = None  # first arrival, last end of those rows
+    waits: Waits = field(default_factory=Waits.empty)  # those rows with a first token (report/tail.py)
     process_memory: list[ProcessMemoryRow] = field(default_factory=list)
     runtime_meta: RuntimeMeta = field(default_factory=RuntimeMeta)
     schema_version: int | None = None  # the file's; above ledger.SCHEMA_VERSION: a newer guard wrote it
@@ -264,6 +281,13 @@ def _requests(conn: sqlite3.Connection, d: LedgerData) -> None:
                   for k, c in zip(REQUEST_FIELDS, cols)}
 
 
+def _waits(conn: sqlite3.Connection) -> Waits:
+    rows = np.array(conn.execute("SELECT arrived, ttft_s, COALESCE(replica, 0), COALESCE(generation, 0) "
+                                 "FROM edge_requests WHERE ttft_s IS NOT NULL ORDER BY arrived").fetchall(),
+                    dtype=float).reshape(-1, 4)
+    return Waits(rows[:, 0], rows[:, 1], rows[:, 2].astype(int), rows[:, 3].astype(int))
+
+
 def _edge_minutes(conn: sqlite3.Connection, problems: Problems) -> list[EdgeMinute]:
     out = []
     for r in conn.execute(f"SELECT {', '.join(MINUTE_FIELDS)}, ttft, e2e, itl FROM edge_minutes ORDER BY minute, id"):
@@ -308,6 +332,7 @@ def load(path: str | Path, run_id: int | None = None) -> LedgerData:
             n, lo, hi = conn.execute("SELECT COUNT(*), MIN(arrived), MAX(arrived + e2e_s) FROM edge_requests").fetchone()
             d.edge_request_rows = int(n)
             d.edge_span = (float(lo), float(hi)) if n and lo is not None and hi is not None else None
+            d.waits = _waits(conn)
         if "process_memory" in t:
             d.process_memory = [ProcessMemoryRow(*r) for r in conn.execute(
                 f"SELECT {', '.join(MEMORY_FIELDS)} FROM process_memory ORDER BY at, id")]

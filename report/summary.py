@@ -3,7 +3,7 @@
 (1) how reliable the box is (MTBF with its bounds; availability, planned vs unplanned
 downtime), (2) how fast each process leaks, per memory kind, (3) when it runs out of memory
 (only for a leak shown), (4) which SLA tier it met in each hour, (5) what a million tokens cost.
-Then recycles, traffic, the soak's own view when one ran, thermals, the causes of the leaks
+Then recycles, traffic, where its slowest first tokens waited, the soak's own view when one ran, thermals, the causes of the leaks
 shown (attribution, for a process and memory kind the leak rule holds for), and a line per
 replica when there are several. Built from the typed figures only, so the text report, the HTML
 and the JSON (`summary`) say the same.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from vllm_guard.core.reliability import ServiceFigures
 
-from . import cost, sla
+from . import cost, sla, tail
 from .figures import (
     LeakFigures, ProcessLeak, ReplicaFigures, Report, SoakFigures, Summary, ThermalFigures, TrafficFigures,
 )
@@ -136,6 +136,8 @@ def summary(r: Report) -> Summary:
     s = r.service
     lines = [mtbf_line(s), availability_line(s), *leak_lines(r.leak), oom_line(r.leak),
              f"SLA: {sla.headline(r.sla)}", f"Cost: {cost.headline(r.cost)}", recycles_line(s), traffic_line(r.traffic)]
+    if r.tail.present:
+        lines.append(tail.headline(r.tail))
     soak = soak_line(r.soak)
     if soak:
         lines.append(soak)

@@ -171,6 +171,21 @@ def _traffic(f: Report) -> list[str]:
     return out
 
 
+def _tail(f: Report) -> list[str]:
+    t = f.tail
+    if not t.present:
+        return []
+    out = [f"TTFT TAIL (the slowest {100 * (1 - t.quantile):.0f} %: {t.slowest} of {t.requests} requests, "
+           f"≥ {ms(t.threshold_s)}; what each waited through, beside the share of all requests)"]
+    out += [f"  {c.kind:<8} {c.tail:>6} ({100 * c.tail / t.slowest:5.1f} %)  of all {c.all:>8} ({100 * c.all / t.requests:5.1f} %)"
+            for c in t.kinds]
+    out += [f"    {c.kind:<8} {c.part:<28} {c.tail:>6}  of all {c.all:>8} ({100 * c.all / t.requests:5.1f} %)"
+            for c in t.parts if c.tail]
+    out += [f"  {r.at} replica {r.replica} generation {r.generation}: {ms(r.ttft_s)} {r.kind}"
+            + (f" ({r.what})" if r.what else "") for r in t.slowest_requests]
+    return out
+
+
 def _soak(f: Report) -> list[str]:
     s = f.soak
     if not s.present:
@@ -187,7 +202,7 @@ def _soak(f: Report) -> list[str]:
 
 def render_text(f: Report) -> str:
     out = [f"vllm-guard report  {f.label}  ({f.ledger})", "", "VERDICT", *verdict_block(f), ""]
-    for part in (_service, _leaks, _thermal, _sla, _cost, _traffic, _soak):
+    for part in (_service, _leaks, _thermal, _sla, _cost, _traffic, _tail, _soak):
         lines = part(f)
         out += [*lines, ""] if lines else []
     if not f.incidents.present:

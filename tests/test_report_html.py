@@ -116,7 +116,7 @@ def _drawn(img: np.ndarray, alt: str, color: str) -> None:
 
 PLOTS = {"GPU memory per process": "tab:orange", "host memory per process": "tab:orange",
          "latency over time": "tab:blue", "throughput over time": "tab:blue", "GPU temperature and clocks": "tab:red"}
-SECTIONS = ["reliability", "memory", "sla", "latency", "throughput", "cost", "thermals"]
+SECTIONS = ["reliability", "memory", "sla", "latency", "tail", "throughput", "cost", "thermals"]
 
 
 def test_runtime_rows_alone_answer_every_section(tmp_path: Path) -> None:

@@ -7,7 +7,10 @@ One guarded server for the module, two recycles in turn under a steady streaming
   no more than its limit plus the allowed overrun;
 - **gated**, forced by the recycle command (`--strategy gated`): the successor parks at its gate
   while the old generation serves; every request sent before the old one began draining was
-  answered by it; the gate opened only after the old one was gone.
+  answered by it; the gate opened only after the old one was gone;
+- then `report` sets each request's wait beside what the runtime was doing: the requests that
+  waited through the gated gap are counted there, those that came while a successor started
+  beside the serving generation there.
 The millisecond tests of every path are tests/test_replica_driver.py; two replicas and kill -9
 are in tests/test_strategies.py (the long tier).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import subprocess
 import threading
 import time
 from datetime import datetime
@@ -25,7 +29,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from conftest import GuardServer
+from conftest import GUARD_CMD, GuardServer
 from vllm_guard.core import plugin
 from vllm_guard.core.protocol import GateReport, PatchProcessReport, WarmImports, decode
 from streams import StreamResult, stream_completion, summarize
@@ -237,3 +241,30 @@ def test_gated_parks_while_the_old_generation_serves_and_opens_once_it_is_gone(s
                        for p in plugin.gen_dir(srv.state_dir, old + 1).glob("*.json")) if r.process == "api_server"]
     assert len(api) == 1 and api[0].warm is not None and api[0].warm.imported > 0, api
     assert "first_request" in [p for p, _ in json.loads(old_raw)], old_raw  # rewritten at its end
+
+
+@pytest.mark.timeout(600)
+def test_the_report_says_what_each_slow_request_waited_through(srv: GuardServer) -> None:
+    """After the two recycles above: the report's tail section, from the ledger's own rows."""
+    recs = recycle_rows(srv)
+    assert {r["strategy"] for r in recs} >= {"overlap", "gated"}, recs
+    out = subprocess.run([*GUARD_CMD, "report", "--db", str(srv.state_dir), "--format", "json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    t = json.loads(out.stdout)["tail"]
+    db = sqlite3.connect(srv.state_dir / "ledger.sqlite")
+    try:
+        (rows,) = db.execute("SELECT COUNT(*) FROM edge_requests WHERE ttft_s IS NOT NULL").fetchone()
+        (slowest,) = db.execute("SELECT MAX(ttft_s) FROM edge_requests").fetchone()
+    finally:
+        db.close()
+    assert t["present"] and t["requests"] == rows and rows > LIMIT
+    every = {k["kind"]: k["all"] for k in t["kinds"]}
+    assert sum(every.values()) == rows and sum(k["tail"] for k in t["kinds"]) == t["slowest"]
+    assert t["slowest_requests"][0]["ttft_s"] == pytest.approx(slowest)
+    # the load ran while each successor started beside the serving generation (tens of seconds)
+    assert every["standby"] + every["beside"] >= 1, t
+    # and through the gated recycle's gap, when it lasted long enough for a request to arrive in it
+    gated = next(r for r in recs if r["strategy"] == "gated")
+    if (gated["downtime_s"] or 0.0) >= 3.0 * EVERY_S:
+        assert every["gap"] >= 1, (gated, t)
