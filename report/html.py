@@ -81,8 +81,8 @@ def _sections(f: Report, d: LedgerData) -> str:
         + "".join(f'<p class="note">{html.escape(n)}</p>' for n in c.notes)
     tl = f.tail
     tail = (_table(["waited through", "part", "of the slowest", "of all requests"],
-                   [[c.kind, "", c.tail, c.all] for c in tl.kinds] + [[c.kind, c.part, c.tail, c.all] for c in tl.parts],
-                   "tail")
+                   [[c.kind, "", c.tail, c.all] for c in tl.kinds]
+                   + [[c.kind, c.part, c.tail, c.all] for c in tl.parts], "tail")
             + _table(["arrived (UTC)", "replica", "generation", "TTFT ms", "waited through", "what"],
                      [[r.at, r.replica, r.generation, _ms(r.ttft_s), r.kind, r.what] for r in tl.slowest_requests],
                      "slowest")

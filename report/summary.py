@@ -3,9 +3,9 @@
 (1) how reliable the box is (MTBF with its bounds; availability, planned vs unplanned
 downtime), (2) how fast each process leaks, per memory kind, (3) when it runs out of memory
 (only for a leak shown), (4) which SLA tier it met in each hour, (5) what a million tokens cost.
-Then recycles, traffic, where its slowest first tokens waited, the soak's own view when one ran, thermals, the causes of the leaks
-shown (attribution, for a process and memory kind the leak rule holds for), and a line per
-replica when there are several. Built from the typed figures only, so the text report, the HTML
+Then recycles, traffic, where its slowest first tokens waited, the soak's own view when one
+ran, thermals, the causes of the leaks shown (attribution, for a process and memory kind the
+leak rule holds for), and a line per replica when there are several. Built from the typed figures only, so the text report, the HTML
 and the JSON (`summary`) say the same.
 """
 

@@ -177,8 +177,8 @@ def _tail(f: Report) -> list[str]:
         return []
     out = [f"TTFT TAIL (the slowest {100 * (1 - t.quantile):.0f} %: {t.slowest} of {t.requests} requests, "
            f"≥ {ms(t.threshold_s)}; what each waited through, beside the share of all requests)"]
-    out += [f"  {c.kind:<8} {c.tail:>6} ({100 * c.tail / t.slowest:5.1f} %)  of all {c.all:>8} ({100 * c.all / t.requests:5.1f} %)"
-            for c in t.kinds]
+    out += [f"  {c.kind:<8} {c.tail:>6} ({100 * c.tail / t.slowest:5.1f} %)  "
+            f"of all {c.all:>8} ({100 * c.all / t.requests:5.1f} %)" for c in t.kinds]
     out += [f"    {c.kind:<8} {c.part:<28} {c.tail:>6}  of all {c.all:>8} ({100 * c.all / t.requests:5.1f} %)"
             for c in t.parts if c.tail]
     out += [f"  {r.at} replica {r.replica} generation {r.generation}: {ms(r.ttft_s)} {r.kind}"
