@@ -20,18 +20,19 @@ UNDER_WAY = {
     "engine_up": "starting the API server", "api_up": "waiting for /health", "health_ok": "readiness probe",
     "ready": "going live", "first_request": "serving",
 }
-# a start's own work on the GPU beside whatever else computes there: from its weights (their load,
-# or the first phase after it where the load is not logged) until its engine is up; vLLM's profile
-# run ("compiling and profiling") and graph capture ("warming up") are in it. Before it: imports,
-# the API server, a gate; after it: the API server and the runtime's probes.
-GPU_WORK_FROM = ("model_load_started", "weights_loaded")
-GPU_WORK_TO = "engine_up"
+# a start's engine work, on the device it will serve from (the GPU; on vLLM-CPU the cores) beside
+# whatever else computes there: from its weights (their load, or the first phase after it where the
+# load is not logged) until its engine is up; vLLM's profile run ("compiling and profiling") and
+# graph capture ("warming up") are in it. Before it: imports, the API server, a gate; after it:
+# the API server and the runtime's probes.
+ENGINE_WORK_FROM = ("model_load_started", "weights_loaded")
+ENGINE_WORK_TO = "engine_up"
 
 
-def gpu_work(at: dict[str, float]) -> tuple[float, float] | None:
-    """The span of a start's own GPU work, from its phases' times (any one clock); None when the
+def engine_work(at: dict[str, float]) -> tuple[float, float] | None:
+    """The span of a start's engine work, from its phases' times (any one clock); None when the
     start never reached its weights."""
-    start = min((at[p] for p in GPU_WORK_FROM if p in at), default=None)
+    start = min((at[p] for p in ENGINE_WORK_FROM if p in at), default=None)
     if start is None:
         return None
-    return start, at.get(GPU_WORK_TO, float("inf"))
+    return start, at.get(ENGINE_WORK_TO, float("inf"))

@@ -8,10 +8,11 @@ recorded, and labels it with the first of these kinds it overlapped:
   restored);
 - `switch`: an overlap's switch, from the moment new requests went to the new generation until
   the old one's processes were gone (the two compute at once there);
-- `standby`: another generation of the replica doing its start's own GPU work beside the serving
-  one (`core.phases.gpu_work`: vLLM's profile run, its graph capture...), with the part; a start
-  whose phases the ledger does not hold (an older runtime) counts here whole;
-- `beside`: the rest of such a start (imports, API server, parked at its gate): no GPU work of
+- `standby`: another generation of the replica doing its engine's start beside the serving one,
+  on the device they share (`core.phases.engine_work`: vLLM's profile run, its graph capture...),
+  with the part; a start whose phases the ledger does not hold (an older runtime) counts here
+  whole;
+- `beside`: the rest of such a start (imports, API server, parked at its gate): no engine work of
   its own;
 - `none`: none of these: the load, or vLLM itself.
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_guard.core.ledger import GenerationRow, RuntimeHistory
-from vllm_guard.core.phases import UNDER_WAY, gpu_work
+from vllm_guard.core.phases import UNDER_WAY, engine_work
 from vllm_guard.core.timefmt import epoch, iso_from_epoch
 
 from .figures import SlowRequest, TailCount, TailFigures
@@ -67,10 +68,10 @@ def _start_moments(g: GenerationRow, others: list[GenerationRow]) -> list[Moment
         return []  # a first start, or one after a gap: nothing served beside it
     at = _phases(g)
     live = min(epoch(g.ready_at) or np.inf, epoch(g.ended_at) or np.inf)
-    if not at:  # an older runtime's row, or one unreadable: the start whole, as if on the GPU throughout
+    if not at:  # an older runtime's row, or one unreadable: the start whole, as engine work
         return [Moment(t0, live, "standby", g.replica, f"generation {g.generation} starting (its phases not recorded)",
                        "its start (phases not recorded)")]
-    work = gpu_work(at) or (np.inf, np.inf)
+    work = engine_work(at) or (np.inf, np.inf)
     parked, opened = at.get("parked"), at.get("gate_opened")
     if parked is not None and opened is not None and opened > parked:  # parked: nothing else until the gate
         at = {p: s for p, s in at.items() if not parked < s < opened}
@@ -159,5 +160,6 @@ def headline(t: TailFigures) -> str:
     thr = "-" if t.threshold_s is None else f"{t.threshold_s * 1000:.1f} ms"
     return (f"TTFT tail (the slowest {100 * (1 - t.quantile):.0f} %, {t.slowest} of {t.requests} requests, "
             f"≥ {thr}): {c['gap']} in a gap without a serving generation, {c['switch']} at an overlap's switch, "
-            f"{c['standby']} beside a standby's start on the GPU, {c['beside']} beside one's start off it, "
+            f"{c['standby']} while a successor's engine started beside the serving one, {c['beside']} while one "
+            f"started otherwise (imports, parked), "
             f"{c['none']} at no moment of the runtime")

@@ -39,7 +39,7 @@ def recycle(g: int, ready: float, downtime: float, strategy: str, replica: int =
 
 
 # a standby that starts beside generation 1, parks ready, and takes over by an overlap at 100 s:
-# its own GPU work is from its weights (20 s after its spawn) until its engine is up (30 s)
+# its engine work is from its weights (20 s after its spawn) until its engine is up (30 s)
 STANDBY = [("spawned", 0.0), ("weights_loaded", 20.0), ("kv_allocated", 22.0), ("graphs_captured", 29.0),
            ("engine_up", 30.0), ("parked", 29.9), ("gate_opened", 50.0), ("api_up", 50.5), ("ready", 50.6)]
 HISTORY = RuntimeHistory(
@@ -65,8 +65,8 @@ def test_each_wait_takes_the_moment_it_overlapped() -> None:
         (45.0, 0.02),    # generation 1 serves alone: nothing of the runtime's
         (55.0, 0.02),    # the standby imports (spawned at 49.4, its weights at 69.4)
         (70.0, 0.05),    # its profile run and KV cache, on the GPU
-        (78.9, 0.02),    # its graph capture done at 78.4, its warm-up until it parks at 79.3: still GPU work
-        (85.0, 0.02),    # parked ready: no GPU work of its own
+        (78.9, 0.02),    # its graph capture done at 78.4, its warm-up until it parks at 79.3: still engine work
+        (85.0, 0.02),    # parked ready: no engine work of its own
         (100.2, 0.09),   # the switch: from 100.0 until generation 1's processes were gone (100.5)
         (99.95, 0.1),    # arrived before the switch, waited into it
         (172.0, 4.0),    # the gated recycle's 5 s without a serving generation (170-175)
