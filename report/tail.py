@@ -10,10 +10,10 @@ recorded, and labels it with the first of these kinds it overlapped:
   the old one's processes were gone (the two compute at once there);
 - `standby`: another generation of the replica doing its engine's start beside the serving one,
   on the device they share (`core.phases.engine_work`: vLLM's profile run, its graph capture...),
-  with the part; a start whose phases the ledger does not hold (an older runtime) counts here
-  whole;
+  with the part;
 - `beside`: the rest of such a start (imports, API server, parked at its gate): no engine work of
-  its own;
+  its own; so is a start the ledger holds no phases for yet (the runtime writes them when a
+  generation is ready and when it ends: a standby still parked has none);
 - `none`: none of these: the load, or vLLM itself.
 
 The counts over the slowest 1 % stand beside the counts over every request, so a kind of moment
@@ -68,9 +68,10 @@ def _start_moments(g: GenerationRow, others: list[GenerationRow]) -> list[Moment
         return []  # a first start, or one after a gap: nothing served beside it
     at = _phases(g)
     live = min(epoch(g.ready_at) or np.inf, epoch(g.ended_at) or np.inf)
-    if not at:  # an older runtime's row, or one unreadable: the start whole, as engine work
-        return [Moment(t0, live, "standby", g.replica, f"generation {g.generation} starting (its phases not recorded)",
-                       "its start (phases not recorded)")]
+    if not at:  # still under way (most often parked: the runtime writes phases at ready and at the end)
+        return [Moment(t0, live, "beside", g.replica,
+                       f"generation {g.generation} starting (no phases in the ledger yet)",
+                       "its start (no phases in the ledger yet)")]
     work = engine_work(at) or (np.inf, np.inf)
     parked, opened = at.get("parked"), at.get("gate_opened")
     if parked is not None and opened is not None and opened > parked:  # parked: nothing else until the gate

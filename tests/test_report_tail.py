@@ -70,10 +70,10 @@ def test_each_wait_takes_the_moment_it_overlapped() -> None:
         (100.2, 0.09),   # the switch: from 100.0 until generation 1's processes were gone (100.5)
         (99.95, 0.1),    # arrived before the switch, waited into it
         (172.0, 4.0),    # the gated recycle's 5 s without a serving generation (170-175)
-        (169.0, 0.02),   # before that gap: generation 3 starting beside 2, its phases not recorded
+        (169.0, 0.02),   # before that gap: generation 3 starting beside 2, no phases in the ledger yet
         (110.0, 0.02),   # generation 2 serves alone
     ]
-    assert kinds_of(rows) == ["none", "beside", "standby", "standby", "beside", "switch", "switch", "gap", "standby",
+    assert kinds_of(rows) == ["none", "beside", "standby", "standby", "beside", "switch", "switch", "gap", "beside",
                               "none"]
 
 
@@ -118,7 +118,7 @@ def test_no_rows_and_unreadable_phases_say_so() -> None:
     bad = RuntimeHistory(generations=[gen(1, 0.0, 5.0, None), GenerationRow(**{
         **gen(2, 10.0, None, None).__dict__, "start_phases": "{not json"})], recycles=[], failures=[])
     (m,) = moments(bad)
-    assert m.kind == "standby" and "phases not recorded" in m.what and kinds_of([(20.0, 0.1)], bad) == ["standby"]
+    assert m.kind == "beside" and "no phases in the ledger yet" in m.what and kinds_of([(20.0, 0.1)], bad) == ["beside"]
 
 
 def test_the_report_says_where_the_slowest_waited(tmp_path: Path) -> None:
