@@ -60,11 +60,11 @@ def _phases(g: GenerationRow) -> dict[str, float]:
         return {}  # a row of another version: no parts for this start
 
 
-def _start_moments(g: GenerationRow, others: list[GenerationRow]) -> list[Moment]:
-    """The stretches of a start made beside a serving generation of its replica."""
+def _start_moments(g: GenerationRow, serving: list[tuple[float, float]]) -> list[Moment]:
+    """The stretches of a start made beside a serving generation of its replica (`serving`: the
+    other generations' spans from ready to end)."""
     t0 = epoch(g.started_at)
-    if t0 is None or not any((a := epoch(o.ready_at)) is not None and a <= t0 < (epoch(o.ended_at) or np.inf)
-                             for o in others):
+    if t0 is None or not any(a <= t0 < b for a, b in serving):
         return []  # a first start, or one after a gap: nothing served beside it
     at = _phases(g)
     live = min(epoch(g.ready_at) or np.inf, epoch(g.ended_at) or np.inf)
@@ -106,8 +106,10 @@ def moments(h: RuntimeHistory) -> list[Moment]:
         if a is not None:
             rep = gens[f.generation].replica if f.generation in gens else 0
             out.append(Moment(a, b if b is not None else a, "gap", rep, f"{f.kind} of generation {f.generation}"))
-    for g in h.generations:
-        out += _start_moments(g, [o for o in h.generations if o.replica == g.replica and o is not g])
+    spans = {g.generation: (epoch(g.ready_at), epoch(g.ended_at) or np.inf) for g in h.generations}
+    for g in h.generations:  # each row's times parsed once, above
+        out += _start_moments(g, [(a, b) for o in h.generations if o.replica == g.replica and o is not g
+                                  for a, b in [spans[o.generation]] if a is not None])
     return out
 
 
