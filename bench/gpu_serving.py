@@ -224,8 +224,10 @@ def run_scenario(name: str, a: argparse.Namespace, root: Path) -> dict[str, Any]
         recycle = "" if a.overrun is None else f"[recycle]\nmax_requests_overrun = {a.overrun}\n"
         inject = "".join(f"{kv.strip()}\n" for kv in a.inject.split(",") if kv.strip())
         server = "".join(f"{kv.strip()}\n" for kv in a.server.split(",") if kv.strip())
+        patches = "".join(f"{kv.strip()}\n" for kv in a.patches.split(",") if kv.strip())
         cfg.write_text(f"[inject]\ngpu_memory_budget_gib = {sc.get('budget', 0)}\n{inject}"
-                       f"[watchdog]\nprometheus_port = 0\n[server]\nmetrics_port = 0\n{server}{recycle}")
+                       f"[watchdog]\nprometheus_port = 0\n[server]\nmetrics_port = 0\n{server}{recycle}"
+                       + (f"[patches]\n{patches}" if patches else ""))
         args = [*GUARD, "serve", "--config", str(cfg), "--model", a.model, "--port", str(port), "--state-dir",
                 str(state), "--probe-timeout", "120s", "--startup-timeout", f"{a.start_timeout:.0f}s"]
         if sc.get("max_requests"):
@@ -319,6 +321,8 @@ def main() -> int:
                    help="[server] standby for the guarded scenarios (default: the config's, auto)")
     p.add_argument("--server", default="", help="more [server] keys for the guarded scenarios (a lever: say so "
                    "beside its figures), e.g. overlap_margin_mb=512")
+    p.add_argument("--patches", default="", help="[patches] keys for the guarded scenarios (a lever: say so beside "
+                   "its figures), e.g. pace_beside=0")
     p.add_argument("--serve-args", default="", help="more `vllm-guard serve` flags for the guarded scenarios, one string")
     a = p.parse_args()
     a.tokenizer = a.tokenizer or a.model

@@ -43,7 +43,8 @@ RecycleStrategy = Literal["auto", "overlap", "gated", "cold"]
 RECYCLE_STRATEGIES: tuple[str, ...] = get_args(RecycleStrategy)
 OnOff = Literal["off", "on"]
 PatchId = Literal["kv-block-audit", "idle-release", "allocator-settings", "fault-injection", "add-request-abort",
-                  "block-ids-drain", "startup-gate", "prestaged-weights", "triton-ptxas", "attn-isa", "held-weights"]
+                  "block-ids-drain", "startup-gate", "prestaged-weights", "triton-ptxas", "attn-isa", "held-weights",
+                  "pace-beside"]
 PATCH_IDS: tuple[str, ...] = get_args(PatchId)
 
 
@@ -285,6 +286,9 @@ class PatchesConfig(Section, frozen=True):
     expandable_segments: bool = True
     malloc_arena_max: Annotated[int, Meta(ge=0, le=64)] = 0
     audit_reclaim: bool = True  # false: the audit only counts orphans, it does not free them
+    # seconds an engine starting beside a serving generation leaves the device to it for each second
+    # of its own profile run and warm-up (`patches/pace.py`); 0: off
+    pace_beside: Annotated[float, Meta(ge=0, le=20)] = 2.0
 
     def wants(self, patch_id: str) -> bool:
         return self.enabled and patch_id not in self.disable

@@ -57,6 +57,10 @@ GATE_AT_READY = "ready"
 KV_VAR = "VLLM_GUARD_KV"  # "held": map the replica holder's KV cache (`core.holder`); else its own
 KV_HELD = "held"
 KV_OWN = "own"
+# the ratio a start paces its engine work by (`patches.pace`), set only for a start whose engine work
+# runs while another generation of its replica serves (`pace_env`)
+PACE_VAR = "VLLM_GUARD_PACE"
+UNPACE = "unpace"  # in a generation's report dir: nothing serves beside its start any more, stop pacing
 GATE_STATE = "state.json"
 GATE_OPEN = "open"
 
@@ -115,6 +119,30 @@ def child_env(env: Mapping[str, str], cfg: GuardConfig, vllm_args: Sequence[str]
         table = section_table(settings)
         out[PATCHES_VAR] = format_kv({k: v for k, v in table.items() if k in explicit})
     return out
+
+
+def pace_wanted(cfg: GuardConfig, beside: bool, gated: bool, late: bool) -> bool:
+    """Whether a start paces its engine work (`[patches] pace_beside`): only where that work runs
+    while another generation serves, an overlap's successor or a standby that parks once ready. A
+    start that parks before CUDA does its engine work after its gate, when the old one is gone."""
+    p = cfg.patches
+    return beside and (not gated or late) and p.pace_beside > 0 and p.wants("pace-beside")
+
+
+def pace_env(env: Mapping[str, str], cfg: GuardConfig, paced: bool) -> dict[str, str]:
+    """The env of a start that paces (`pace_wanted`) or does not."""
+    out = dict(env)
+    out.pop(PACE_VAR, None)
+    if paced:
+        out[PACE_VAR] = f"{cfg.patches.pace_beside:g}"
+    return out
+
+
+def unpace(state_dir: str | Path, generation: int) -> None:
+    """Tell a paced start that nothing serves beside it any more (the plugin looks at each point)."""
+    d = gen_dir(state_dir, generation)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / UNPACE).touch()
 
 
 def settings_from_env(env: Mapping[str, str]) -> tuple[InjectConfig, PatchesConfig]:

@@ -215,8 +215,30 @@ HELD_KV = PatchDef(
     targets=(T_KV_METHOD,),
 )
 
+# Pacing a start: the attention context lookup that unified_attention_with_output and
+# unified_kv_cache_update make at each call (a module global, looked up at call time), and the two
+# worker calls of an engine's start (profile run; KV-independent warm-up and graph capture). Read in
+# 0.25.1 (V1 and V2 model runners) and 0.32.0, where vLLM-CPU's CPUWorker overrides both.
+T_ATTN_CONTEXT = Anchor("vllm.model_executor.layers.attention.attention", "", "get_attention_context",
+                        ("layer_name",))
+T_WORKER_PROFILE = Anchor("vllm.v1.worker.gpu_worker", "Worker", "determine_available_memory")
+T_WORKER_WARM = Anchor("vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model")
+
+PACE_BESIDE = PatchDef(
+    id="pace-beside",
+    fixes="an engine starting beside a serving generation (an overlap's successor, a standby parking once ready) "
+          "takes the GPU from it: requests arriving during its profile run (0.12 s of a 7B's whole H100) waited "
+          "about twice as long for their first token, most of an overlap run's slowest 1 %",
+    summary="only where the runtime asks (VLLM_GUARD_PACE, [patches] pace_beside): during the worker's "
+            "determine_available_memory and compile_or_warm_up_model, each attention call waits for the work "
+            "queued so far (torch.cuda.synchronize, never while capturing a graph) and sleeps pace_beside times "
+            "that long; what it did goes to events.jsonl and the process report",
+    min_version=MIN_VERSION, max_version=MAX_VERSION, roles=("engine_core", "worker"),
+    targets=(T_ATTN_CONTEXT, T_WORKER_PROFILE, T_WORKER_WARM),
+)
+
 ALL = (KV_BLOCK_AUDIT, IDLE_RELEASE, ALLOCATOR, FAULT_INJECTION, ADD_REQUEST_ABORT, BLOCK_IDS_DRAIN, STARTUP_GATE,
-       PRESTAGED_WEIGHTS, TRITON_PTXAS, ATTN_ISA, HELD_WEIGHTS, HELD_KV)
+       PRESTAGED_WEIGHTS, TRITON_PTXAS, ATTN_ISA, HELD_WEIGHTS, HELD_KV, PACE_BESIDE)
 
 # Targets a role actually touches (a worker never sees the scheduler, and so on).
 ROLE_TARGETS: dict[tuple[str, str], tuple[Anchor, ...]] = {

@@ -54,6 +54,7 @@ def vllm_version(load: bool = True) -> str:
 ATTN_ISA_NOT_HANDED = "no attention ISA verdict from the runtime (a CUDA build, or vLLM started without it)"
 HELD_NOT_ASKED = "not asked (no weight holder for this replica)"
 HELD_KV_NOT_ASKED = "not asked (no VLLM_GUARD_KV=held, no late gate)"
+PACE_NOT_ASKED = "not asked (no VLLM_GUARD_PACE: no generation serves beside this start)"
 PRESTAGE_NOT_ASKED = "not asked (no VLLM_GUARD_PRESTAGE in a gated generation)"
 
 
@@ -62,6 +63,12 @@ def _prestage_asked() -> bool:
     from . import gate, prestage
 
     return gate.requested() is not None and prestage.requested() is not None
+
+
+def _pace_asked() -> float | None:
+    from . import pace
+
+    return pace.requested()
 
 
 class Plugin:
@@ -86,6 +93,7 @@ class Plugin:
             "add-request-abort": self._add_request_abort, "block-ids-drain": self._block_ids_drain,
             "startup-gate": self._gate, "prestaged-weights": self._prestage, "triton-ptxas": self._ptxas,
             "attn-isa": self._attn_isa, "held-weights": self._held, "held-kv": self._held_kv,
+            "pace-beside": self._pace,
         }
         for defn in defs.ALL:
             self.states[defn.id] = self._apply_one(defn, appliers[defn.id])
@@ -104,6 +112,9 @@ class Plugin:
         if defn.id == "held-weights" and held.requested() is None:
             # before the live check: it would import vLLM's model loader into every process
             return {"state": "skipped", "reason": HELD_NOT_ASKED}
+        if defn.id == "pace-beside" and _pace_asked() is None:
+            # before the live check: it would import vLLM's workers into every process
+            return {"state": "skipped", "reason": PACE_NOT_ASKED}
         if defn.id == "attn-isa" and attn_isa.from_env(os.environ) is None:
             # before the live check: it would import vLLM's CPU attention into a GPU EngineCore
             return {"state": "skipped", "reason": ATTN_ISA_NOT_HANDED}
@@ -250,6 +261,33 @@ class Plugin:
         self.parts["held-kv"] = patch
         return f"{shape} maps the KV cache held by {asked[0]}" + (
             "; parks once ready (late gate)" if held_kv.late() else "")
+
+    def _pace(self) -> str:
+        from . import pace
+
+        ratio = pace.requested()
+        if ratio is None:
+            raise _Skip(PACE_NOT_ASKED)
+        marker = self.channel.dir / contract.UNPACE if self.channel.dir is not None else None
+        patch = pace.PaceBeside(ratio, self._paced, marker)
+        try:
+            note = patch.install()
+        except pace.NotAsked as e:
+            raise _Skip(str(e)) from e
+        self.parts["pace-beside"] = patch
+        return note
+
+    def _paced(self, fig: Any) -> None:
+        """A paced phase ended: its figures to the events, the log and this process's report (details)."""
+        from . import pace
+
+        rec = pace.record(fig)
+        log.warning("vllm-guard paced start: %s", rec)
+        try:
+            self.channel.event({"event": "paced", **rec})
+        except OSError:
+            log.exception("vllm-guard: could not write the paced event")
+        self.write()
 
     def _kv_said(self, r: Any) -> None:
         self.kv = r.model_dump(mode="json")

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from vllm_guard.core import plugin
 from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.protocol import ChildProcess, GateReport
 from vllm_guard.runtime.child.backend import Backend
@@ -124,6 +125,7 @@ class World:
         self.start_failed: list[str] = []  # the lines of `start_failure`
         self.exit_code: int | None = None
         self.learned_gate: str | None = None
+        self.unpaced: list[int] = []  # generations told to stop pacing, in order
         self.starts: dict[int, StartHistory] = {}
         self.standby_failures: dict[int, int] = {}
         self.routes: dict[int, Target] = {}  # generation -> target routed to
@@ -163,6 +165,7 @@ class World:
                          replica=replica, strategy=strategy, gate=self.tmp / f"gate-{n}" if gated else None,
                          spawned_mono=self.now, beside=beside, standby=standby, kv=kv if held else "",
                          late=late and gated and held)
+        gen.paced = plugin.pace_wanted(self.cfg, beside, gated, gen.late)
         if held and kv == "held" and not gated:
             gen.kv_mb = self.kv_mb  # as its engine reports once its KV cache is mapped
         self.spawned.append((n, gen.late, gen.kv))
@@ -171,6 +174,9 @@ class World:
 
     async def went_live(self, gen: Generation) -> None:
         self.live.append(gen.number)
+
+    async def unpace(self, gen: Generation) -> None:
+        self.unpaced.append(gen.number)
 
     def holder_status(self, replica: int) -> None:
         return None
@@ -269,7 +275,6 @@ class World:
 
     def _world(self) -> None:
         """What the box does in a second: starts progress, processes die, gates park and open."""
-        from vllm_guard.core import plugin
 
         for s in self.gens:
             g, b, age = s.gen, s.gen.backend, self.now - s.spawned

@@ -159,7 +159,7 @@ class TestAudited:
             assert r["vllm_version"] == st["vllm_version"]
             assert set(r["patches"]) == {"kv-block-audit", "idle-release", "allocator-settings", "fault-injection",
                                          "add-request-abort", "block-ids-drain", "startup-gate", "prestaged-weights",
-                                         "triton-ptxas", "attn-isa", "held-weights", "held-kv"}
+                                         "triton-ptxas", "attn-isa", "held-weights", "held-kv", "pace-beside"}
             for p in r["patches"].values():
                 assert p["state"] in ("applied", "skipped", "failed") and p["reason"]
         by_role = {r["process"]: r["patches"] for r in live.values()}
@@ -173,6 +173,9 @@ class TestAudited:
         # the KV cache is held only where the runtime asks (a holder, `hold_kv_cache`)
         assert by_role["engine_core"]["held-kv"] == {
             "state": "skipped", "reason": "not asked (no VLLM_GUARD_KV=held, no late gate)"}
+        # the first generation: nothing serves beside its start
+        assert by_role["engine_core"]["pace-beside"] == {
+            "state": "skipped", "reason": "not asked (no VLLM_GUARD_PACE: no generation serves beside this start)"}
         assert "carries the upstream fix" in by_role["engine_core"]["block-ids-drain"]["reason"]
         assert "INJECTING" in by_role["engine_core"]["fault-injection"]["reason"]
         assert all(by_role[role]["idle-release"]["state"] == "applied" for role in ROLES)

@@ -638,9 +638,28 @@ def test_on_a_card_where_two_fit_the_standby_parks_ready_on_its_own_kv_cache_and
         await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 3)
         assert w.now - crashed < 10, "the crash's standby waited"
         assert w.books.failures.total == 1
+        # each standby paced its start beside the serving generation, and had finished it when needed
+        assert w.gen(2).paced and w.gen(3).paced and not w.gen(1).paced and w.unpaced == []
 
     w = run(tmp_path, scenario, standby_cfg())
     assert rows(w, "SELECT strategy, downtime_s FROM recycles") == [("overlap", 0.0)]
+
+
+def test_a_standby_still_starting_when_the_serving_generation_dies_stops_pacing_at_once(tmp_path: Path) -> None:
+    """A standby that parks once ready paces its engine start for the generation serving beside it
+    (`patches/pace.py`). When that one dies first, nothing serves beside the standby any more: the
+    runtime tells it once to go at full speed, while it still starts, and takes it when it is ready."""
+    async def scenario(w: World) -> None:
+        w.nvml, w.kv_holder, w.fit, w.has_room = True, True, KV_FIT, False
+        w.plans = [Plan(), Plan(park_s=30.0, after_gate_s=0.5), Plan(park_s=5.0)]
+        await w.run_until(lambda: w.number >= 2)
+        assert w.spawned[1] == (2, True, "held") and w.gen(2).paced and not w.gen(1).paced
+        w.gen(1).backend.rc = 1  # a crash, long before the standby parks
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
+        assert w.unpaced == [2] and w.gen(2).unpaced
+        assert w.books.failures.total == 1
+
+    run(tmp_path, scenario, standby_cfg())
 
 
 def test_a_late_standby_beside_a_leak_is_used_early_or_given_up(tmp_path: Path) -> None:

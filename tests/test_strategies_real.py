@@ -109,6 +109,12 @@ def served_by(srv: GuardServer, generation: int) -> int:
         db.close()
 
 
+def pace_states(srv: GuardServer, generation: int) -> set[str]:
+    """The pace-beside patch's state in a generation's engine processes (EngineCore, worker)."""
+    reps = plugin.read_states(srv.state_dir, generation).values()
+    return {r.patches["pace-beside"].state for r in reps if r.process != "api_server"}
+
+
 def mono_of(event: dict[str, Any]) -> float:
     """An event's wall-clock timestamp on this process's monotonic clock."""
     at = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
@@ -181,6 +187,9 @@ def test_overlap_at_the_request_limit_leaves_no_moment_without_a_generation(srv:
     assert all("handed its streams over" in e["error"] for e in ev if e.get("event") == "request_resuming")
     assert st["requests"]["handed_over"] == len(moved) and st["requests"]["resumed"] == 0
     assert not [e for e in ev if e.get("event") == "request_failed"]
+    # the successor started its engine beside the serving generation: paced; the first had none beside it
+    assert pace_states(srv, rec["generation"] + 1) == {"applied"}
+    assert pace_states(srv, 1) == {"skipped"}
 
 
 @pytest.mark.timeout(2400)
@@ -241,6 +250,8 @@ def test_gated_parks_while_the_old_generation_serves_and_opens_once_it_is_gone(s
                        for p in plugin.gen_dir(srv.state_dir, old + 1).glob("*.json")) if r.process == "api_server"]
     assert len(api) == 1 and api[0].warm is not None and api[0].warm.imported > 0, api
     assert "first_request" in [p for p, _ in json.loads(old_raw)], old_raw  # rewritten at its end
+    # its engine work came after the gate, with the old generation gone: nothing to pace for
+    assert pace_states(srv, old + 1) == {"skipped"}
 
 
 @pytest.mark.timeout(600)

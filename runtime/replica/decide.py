@@ -53,7 +53,7 @@ from .strategy import Strategy, gated_fits
 from .view import (
     Abandon, Decision, Detach, EnforceLimits, Event, ExitAll, Extend, Failure, Finish, GenPhase, GenView, GoLive,
     HoldCmd, LearnGate, LearnStandby, LearnStart, Leaving, OpenGate, Promote, RecycleCmd, RecycleMark, RecycleReady,
-    ReleaseCmd, ReplicaView, RestartCmd, Slot, Spawn, SpawnFailed, Stop, StopCmd, Tick, log,
+    ReleaseCmd, ReplicaView, RestartCmd, Slot, Spawn, SpawnFailed, Stop, StopCmd, Tick, Unpace, log,
 )
 
 S = State
@@ -407,6 +407,8 @@ def _opening_gate(v: ReplicaView, now: float, out: Out) -> None:
     f, nxt = v.facts, v.successor
     if stopped_or_held(v, now, out):
         return
+    if nxt is not None and nxt.paced and nxt.gate != "parked":  # the old one is gone: its start is all there is
+        out.add(Unpace(nxt.number))
     if nxt is None or successor_lost(v, out, nxt, waiting_words(nxt)):
         start_cold(v, now, out, Strategy.COLD.value)
     elif _past_gate(nxt):  # its gate was opened before it parked there: it is starting

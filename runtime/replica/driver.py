@@ -30,7 +30,7 @@ from .view import (
     Abandon, Decision, Drain, Effect, EnforceLimits, Event, Extend, ExitAll, Facts, Failure, Finish, GiveUp, GoLive,
     LearnGate, LearnStandby, LearnStart, Leaving, Log, OpenGate, PastLimit, Promote, RecycleBegan, RecycleMark,
     RecycleNote, RecycleOver, RecycleReady, RejectRequests, ReplicaView, Reply, Slot, Spawn, SpawnFailed,
-    StartCauseRepeated, Stop, Tick, WatchRoom, Detach,
+    StartCauseRepeated, Stop, Tick, Unpace, WatchRoom, Detach,
 )
 
 log = structlog.get_logger("vllm_guard.supervisor")
@@ -280,6 +280,15 @@ class ReplicaDriver:
             gen.mark("gate_opened", self.clock())
         return None
 
+    async def _unpace(self, e: Unpace) -> Event | None:
+        gen = self._find(e.generation)
+        if gen.paced and not gen.unpaced:
+            await self.spawner.unpace(gen)
+            gen.unpaced = True
+            log.info("generation_unpaced", generation=gen.number, replica=self.index,
+                     why="nothing serves beside its start any more")
+        return None
+
     async def _past_limit(self, e: PastLimit) -> Event | None:
         if self.current is not None:
             await self.door.allow_past_limit(self.current.target, e.allowed)
@@ -380,7 +389,7 @@ class ReplicaDriver:
 
     _handlers: dict[type, Callable[[ReplicaDriver, Any], Awaitable[Event | None]]] = {
         Spawn: _spawn, GoLive: _go_live, Promote: _promote, Abandon: _abandon, Drain: _drain, Stop: _stop,
-        Detach: _detach, Finish: _finish, OpenGate: _open_gate, PastLimit: _past_limit, Leaving: _leaving, WatchRoom: _watch_room,
+        Detach: _detach, Finish: _finish, OpenGate: _open_gate, Unpace: _unpace, PastLimit: _past_limit, Leaving: _leaving, WatchRoom: _watch_room,
         EnforceLimits: _enforce_limits, RejectRequests: _reject_requests, Failure: _failure,
         RecycleBegan: _recycle_began, RecycleNote: _recycle_note, RecycleMark: _recycle_mark,
         RecycleOver: _recycle_over, RecycleReady: _recycle_ready, Log: _log, Extend: _extend, GiveUp: _give_up,

@@ -63,6 +63,8 @@ class Generation:
     kv_mb: float = 0.0
     kv_report: KvReport | None = None  # its engine's word on its KV cache
     late: bool = False  # gated to park once ready on the held KV cache
+    paced: bool = False  # asked to pace its engine work (`patches/pace.py`): something served beside its start
+    unpaced: bool = False  # told to stop pacing: nothing serves beside it any more
     # its way out, as decided
     phase: GenPhase = GenPhase.BOOTING
     deadline: float | None = None
@@ -98,6 +100,7 @@ class Generation:
             deadline=self.deadline, kill_sent=self.kill_sent, stop_mark=self.stop_mark, gone=self.gone,
             gpu_free=self.gpu_free, alive=self.alive, end_reason=self.end_reason, death=self.death,
             config=self.config, kv=self.kv, kv_mb=self.kv_mb, late=self.late,
+            paced=self.paced and not self.unpaced,
             weights_mb=self.weights.bytes / 2**20 if self.weights is not None and
             (self.weights.source is Source.HELD or self.weights.given) else 0.0)
 

@@ -232,6 +232,7 @@ class Launcher:
         if gate is not None:
             env = plugin.gate_env(env, gate, STANDBY_PARK_S if standby else park_limit(s), self.prestage(n),
                                   warm=s.warm_start == "on", at_ready=late)
+        env = plugin.pace_env(env, self.cfg, plugin.pace_wanted(self.cfg, beside, gate is not None, late))
         backend = Backend(generation=n, model=self.model, host=s.backend_host, port=free_port(s.backend_host),
                           vllm_args=list(s.vllm_args), log_path=self.state_dir / "logs" / f"generation-{n}.log",
                           python=self.python, env=env, nice=s.backend_nice, deathsig=not self.kept)
@@ -246,14 +247,17 @@ class Launcher:
                                              self.config_hash or None, changed)
         gen = Generation(n, backend, target, row, replica=replica, strategy=strategy, gate=gate,
                          spawned_mono=time.monotonic(), beside=beside, standby=standby, config=self.config_hash,
-                         kv=kv if kv_ok else "", late=late)
+                         kv=kv if kv_ok else "", late=late, paced=plugin.PACE_VAR in env)
         log.info("generation_starting", generation=n, replica=replica, pid=backend.pid, backend=backend.url,
                  max_requests=target.limit, strategy=strategy, gated=gated, beside=beside,
-                 kv=gen.kv or None, late_gate=late or None,
+                 kv=gen.kv or None, late_gate=late or None, paced=env.get(plugin.PACE_VAR),
                  gpus=self.plans[replica].gpus or None, log=str(backend.log_path), config=self.config_hash or None,
                  config_changed=list(changed) or None)
         await asyncio.to_thread(prune_logs, self.state_dir / "logs")
         return gen
+
+    async def unpace(self, gen: Generation) -> None:
+        await asyncio.to_thread(plugin.unpace, self.state_dir, gen.number)
 
     def adopt(self, h: HandedGeneration) -> Generation:
         """The generation a previous runtime handed over, as this runtime's own: same number,

@@ -36,6 +36,9 @@ class Spawner(Protocol):
     def holder_status(self, replica: int) -> HolderStatus | None:
         """The replica's weight holder, if it has one."""
 
+    async def unpace(self, gen: Generation) -> None:
+        """Tell `gen`'s paced start that nothing serves beside it any more (`core.plugin.unpace`)."""
+
 
 class Door(Protocol):
     enforce_limit: bool  # a generation stops taking requests at its count limit (not while held)

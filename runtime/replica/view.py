@@ -75,6 +75,7 @@ class GenView:
     kv_mb: float = 0.0  # the held KV cache's size (MiB), once its engine reported it
     weights_mb: float = 0.0  # the held weights it maps (MiB): mapped, or loaded and given to the holder
     late: bool = False  # gated to park once ready on the held KV cache, not before CUDA
+    paced: bool = False  # its engine start is paced for a generation serving beside it, and still told to
 
     @property
     def maps_held_kv(self) -> bool:
@@ -231,6 +232,13 @@ class Finish:
 
 
 @dataclass(frozen=True)
+class Unpace:
+    """Nothing serves beside `generation` any more: its engine start goes on at full speed."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
 class OpenGate:
     generation: int
     kv: str = ""  # what its KV cache is to be if it allocates after the gate: held | own
@@ -373,8 +381,8 @@ class Reply:
     detail: str
 
 
-Effect = (Spawn | GoLive | Promote | Abandon | Drain | Stop | Detach | Finish | OpenGate | PastLimit | Leaving | WatchRoom
-          | EnforceLimits | RejectRequests | Failure | RecycleBegan | RecycleNote | RecycleMark | RecycleOver
+Effect = (Spawn | GoLive | Promote | Abandon | Drain | Stop | Detach | Finish | OpenGate | Unpace | PastLimit | Leaving
+          | WatchRoom | EnforceLimits | RejectRequests | Failure | RecycleBegan | RecycleNote | RecycleMark | RecycleOver
           | RecycleReady | Log | Extend | GiveUp | StartCauseRepeated | ExitAll | LearnGate | LearnStandby | LearnStart
           | Reply)
 
