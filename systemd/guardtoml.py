@@ -211,6 +211,8 @@ HELP: dict[str, dict[str, str]] = {
         "expandable_segments": "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)",
         "malloc_arena_max": "MALLOC_ARENA_MAX for vLLM's processes; 0: glibc's default",
         "audit_reclaim": "free KV blocks held by no live request (false: only count them)",
+        "pace_beside": "seconds an engine starting beside a serving generation leaves the GPU to it per second of "
+                       "its own profile run and warm-up (0: off)",
     },
     "ledger": {
         "request_retention": "how long the runtime keeps one row per request (timings, outcome, tokens); "
