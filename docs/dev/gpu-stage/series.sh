@@ -4,7 +4,8 @@
 # finished ones in the run's OUT): plain vLLM (pristine, 900 prompts), gated24 (--max-requests 600,
 # 1 800 prompts), kills24 (2 100 prompts, kills at 90 and 190 s; KPROMPTS and KILLS shorten it),
 # overlap80 (--max-requests 300, 900 prompts), in the order of ONLY (plain2: a second pristine run,
-# an A/A control; overlap80np: overlap80 with the standby's start unpaced, [patches] pace_beside = 0); then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
+# an A/A control; overlap80np: overlap80 with the standby's start unpaced, [patches] pace_beside = 0);
+# then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
 # On a staged device (r.sh 4); on a fresh H100 the four took ~990 s with KPROMPTS=1500 (2026-12-07):
 #   bash docs/dev/gpu-stage/bg.sh start series env SWEEP_S=240 SIZES=174-256 bash docs/dev/gpu-stage/series.sh
 #   bash docs/dev/gpu-stage/bg.sh wait series 560      # back to back until it has ended
