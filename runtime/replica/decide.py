@@ -450,6 +450,8 @@ def _failing(v: ReplicaView, now: float, out: Out) -> None:
     if nxt is not None and not _past_gate(nxt):
         out.to(S.OPENING_GATE, now, gate_span(v))  # a parked successor (a standby): open its gate
     elif nxt is not None:
+        if nxt.paced:  # an overlap's successor still starting: nothing serves beside it now
+            out.add(Unpace(nxt.number))
         out.add(Promote())
         out.to(S.STARTING, now, max(1.0, nxt.spawned_at + f.cfg.server.startup_timeout - now))
     else:
