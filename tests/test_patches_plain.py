@@ -9,11 +9,7 @@ processes is read back with the runtime's reader (`core.plugin.read_states`, `in
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,7 +19,8 @@ import httpx
 import psutil
 import pytest
 
-from conftest import CHILD_ENV, VLLM_ARGS, free_port
+from conftest import VLLM_ARGS
+from plain_vllm import PlainServer
 from vllm_guard.core import plugin as contract
 from vllm_guard.core.config import from_data
 from vllm_guard.core.protocol import PatchProcessReport, Role
@@ -40,55 +37,13 @@ WORDS = "alpha beta gamma delta river stone cloud light north paper green seven"
 _rng = random.Random(11)
 
 
-class PlainServer:
-    """`python -m vllm.entrypoints.openai.api_server` with the runtime's child env."""
+class Server(PlainServer):
+    """The plain server of this module: leaks injected, idle release after IDLE_S."""
 
     def __init__(self, model: str, state_dir: Path) -> None:
-        self.model, self.state_dir = model, state_dir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         cfg = from_data({"inject": {"block_leak_every": LEAK_EVERY, "host_leak_mb_per_request": 0.05},
                          "patches": {"idle_release_after": f"{IDLE_S}s", "malloc_arena_max": 2}})
-        env = contract.child_env({**os.environ, **CHILD_ENV}, cfg, VLLM_ARGS)
-        self.env = {**env, contract.STATE_DIR_VAR: str(state_dir), contract.GENERATION_VAR: str(GENERATION)}
-        self.log = open(state_dir / "vllm.log", "ab")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--port", str(self.port), "--host", "127.0.0.1", *VLLM_ARGS]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = 900.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"vLLM not healthy after {timeout} s:\n{self.tail()}")
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join((self.state_dir / "vllm.log").read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # EngineCore and Worker, whatever is left
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self.log.close()
-
-    def reports(self) -> dict[str, PatchProcessReport]:
-        return contract.read_states(self.state_dir, GENERATION)
+        super().__init__(model, state_dir, cfg, VLLM_ARGS, GENERATION)
 
     def by_role(self) -> dict[Role, PatchProcessReport]:
         return {r.process: r for r in self.reports().values() if r.alive}
@@ -103,9 +58,6 @@ class PlainServer:
 
     def injected(self, event: str) -> list[dict[str, Any]]:
         return [r for r in contract.injected(self.state_dir, GENERATION) if r.get("event") == event]
-
-    def events(self, event: str) -> list[dict[str, Any]]:
-        return [r for r in contract.events(self.state_dir, GENERATION) if r.get("event") == event]
 
     def counted(self) -> int:
         return max((r["n"] for r in self.injected("request")), default=0)
@@ -128,8 +80,8 @@ def wait_until(pred: Any, timeout: float, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlainServer]:
-    s = PlainServer(tiny_model, tmp_path_factory.mktemp("patches-plain"))
+def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tiny_model, tmp_path_factory.mktemp("patches-plain"))
     try:
         s.wait_ready()
         wait_until(lambda: set(s.by_role()) >= ROLES, 120, "a patch report from every vLLM process")
@@ -138,7 +90,7 @@ def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         s.stop()
 
 
-def test_every_process_writes_a_report_the_runtime_decodes(server: PlainServer) -> None:
+def test_every_process_writes_a_report_the_runtime_decodes(server: Server) -> None:
     every = server.reports()
     # a process that loaded the plugin and exited leaves its report, marked not alive: vLLM inspects
     # the model's class in a short-lived subprocess of the API server while its model-info cache is
@@ -165,7 +117,7 @@ def test_every_process_writes_a_report_the_runtime_decodes(server: PlainServer) 
     assert roles[Role.ENGINE_CORE].inject == {"block_leak_every": LEAK_EVERY, "host_leak_mb_per_request": 0.05}
 
 
-def test_probes_are_not_counted_by_the_injector(server: PlainServer) -> None:
+def test_probes_are_not_counted_by_the_injector(server: Server) -> None:
     """A request with the runtime's probe id is no request for limits and faults."""
     with httpx.Client(timeout=120) as c:
         server.complete(client=c)
@@ -176,7 +128,7 @@ def test_probes_are_not_counted_by_the_injector(server: PlainServer) -> None:
     assert server.counted() == n + 1
 
 
-def test_audit_reclaims_exactly_the_blocks_the_injector_leaked(server: PlainServer) -> None:
+def test_audit_reclaims_exactly_the_blocks_the_injector_leaked(server: Server) -> None:
     with httpx.Client(timeout=120) as c:
         for i in range(12):  # sequential: the engine is idle between requests
             server.complete(n_words=10 + 20 * (i % 4), max_tokens=8 + 20 * (i % 3), client=c)
@@ -196,7 +148,7 @@ def test_audit_reclaims_exactly_the_blocks_the_injector_leaked(server: PlainServ
     assert server.kv_usage() == 0.0
 
 
-def test_idle_release_runs_in_every_process_after_work(server: PlainServer) -> None:
+def test_idle_release_runs_in_every_process_after_work(server: Server) -> None:
     def releases() -> Counter[str]:
         return Counter(r["role"] for r in server.events("idle_release"))
 
