@@ -40,6 +40,7 @@ from vllm_guard.core import plugin as contract
 
 ATTN_MODULE = "vllm.model_executor.layers.attention.attention"
 PHASES = {"determine_available_memory": "profile", "compile_or_warm_up_model": "warmup"}
+LAST_PHASE = "warmup"
 MIN_SLEEP_S = 0.001  # shorter sleeps are owed and taken together (a sleep's own cost is ~0.1 ms)
 MAX_SLEEP_S = 0.25  # one point never sleeps longer (a wait that long was not one layer's work)
 
@@ -173,6 +174,7 @@ class PaceBeside:
 
     def __init__(self, ratio: float, said: Callable[[PhaseFigures], None], marker: Path | None = None) -> None:
         self.pacer = Pacer(ratio, said, unpaced=marker.exists if marker is not None else lambda: False)
+        self._restore: Callable[[], None] = lambda: None
 
     def install(self) -> str:
         import importlib
@@ -192,6 +194,8 @@ class PaceBeside:
             return original(*args, **kwargs)
 
         setattr(attn, "get_attention_context", get_attention_context)  # noqa: B010 - a module global
+        # the warm-up is a start's last paced call: after it the lookup is vLLM's own again, off the hot path
+        self._restore = lambda: setattr(attn, "get_attention_context", original)
         for cls in classes:
             for method, phase in PHASES.items():
                 setattr(cls, method, self._scoped(getattr(cls, method), phase))
@@ -208,8 +212,12 @@ class PaceBeside:
 
         @functools.wraps(fn)
         def paced(*args: Any, **kwargs: Any) -> Any:
-            with pacer.phase(phase):
-                return fn(*args, **kwargs)
+            try:
+                with pacer.phase(phase):
+                    return fn(*args, **kwargs)
+            finally:
+                if phase == LAST_PHASE:
+                    self._restore()
 
         return paced
 
