@@ -5,7 +5,8 @@
 # 1 800 prompts), kills24 (2 100 prompts, kills at 90 and 190 s; KPROMPTS and KILLS shorten it),
 # overlap80 (--max-requests 300, 900 prompts), in the order of ONLY (plain2: a second pristine run,
 # an A/A control; overlap80np: overlap80 with the standby's start unpaced, [patches] pace_beside = 0);
-# then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
+# OPROMPTS (default 900) sets the prompts of plain, plain2 and the overlaps, ODEADLINE (300 s) the
+# overlaps' deadline; then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
 # On a staged device (r.sh 4); on a fresh H100 the four took ~990 s with KPROMPTS=1500 (2026-12-07):
 #   bash docs/dev/gpu-stage/bg.sh start series env SWEEP_S=240 SIZES=174-256 bash docs/dev/gpu-stage/series.sh
 #   bash docs/dev/gpu-stage/bg.sh wait series 560      # back to back until it has ended
@@ -19,12 +20,12 @@ one() {  # NAME DEADLINE SCENARIO PROMPTS [BENCH_ARGS] -- [serve flags]
 ONLY=${ONLY:-"plain gated24 kills24 overlap80"}
 for sc in $ONLY; do
   case $sc in
-  plain) one s-plain 330 plain 900 "" ;;
-  plain2) one s-plain2 330 plain 900 "" ;;  # an A/A control: plain's own spread beside the first
+  plain) one s-plain 330 plain "${OPROMPTS:-900}" "" ;;
+  plain2) one s-plain2 330 plain "${OPROMPTS:-900}" "" ;;  # an A/A control: plain's own spread beside the first
   gated24) one s-gated24 420 gated24 1800 "" --max-requests 600 ;;
   kills24) one s-kills24 400 kills24 "${KPROMPTS:-2100}" "--kill-at ${KILLS:-90 190}" ;;
-  overlap80) one s-overlap80 300 overlap80 900 "" --max-requests 300 ;;
-  overlap80np) one s-overlap80np 300 overlap80 900 "--patches pace_beside=0" --max-requests 300 ;;  # unpaced
+  overlap80) one s-overlap80 "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "" --max-requests 300 ;;
+  overlap80np) one s-overlap80np "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "--patches pace_beside=0" --max-requests 300 ;;  # unpaced
   esac
 done
 if [ "${SWEEP_S:-0}" -gt 0 ]; then
