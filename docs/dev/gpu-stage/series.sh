@@ -6,7 +6,8 @@
 # overlap80 (--max-requests 300, 900 prompts), in the order of ONLY (plain2: a second pristine run,
 # an A/A control; overlap80np: overlap80 with the standby's start unpaced, [patches] pace_beside = 0);
 # OPROMPTS (default 900) sets the prompts of plain, plain2 and the overlaps, ODEADLINE (300 s) the
-# overlaps' deadline; then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
+# overlaps' deadline (overlap80b: a second paced overlap run, plain3: a third plain one); then each
+# overlap run's TTFT p99 against the plain runs with its interval (bench/series_compare.py); then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
 # On a staged device (r.sh 4); on a fresh H100 the four took ~990 s with KPROMPTS=1500 (2026-12-07):
 #   bash docs/dev/gpu-stage/bg.sh start series env SWEEP_S=240 SIZES=174-256 bash docs/dev/gpu-stage/series.sh
 #   bash docs/dev/gpu-stage/bg.sh wait series 560      # back to back until it has ended
@@ -22,12 +23,24 @@ for sc in $ONLY; do
   case $sc in
   plain) one s-plain 330 plain "${OPROMPTS:-900}" "" ;;
   plain2) one s-plain2 330 plain "${OPROMPTS:-900}" "" ;;  # an A/A control: plain's own spread beside the first
+  plain3) one s-plain3 330 plain "${OPROMPTS:-900}" "" ;;
   gated24) one s-gated24 420 gated24 1800 "" --max-requests 600 ;;
   kills24) one s-kills24 400 kills24 "${KPROMPTS:-2100}" "--kill-at ${KILLS:-90 190}" ;;
   overlap80) one s-overlap80 "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "" --max-requests 300 ;;
+  overlap80b) one s-overlap80b "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "" --max-requests 300 ;;  # a second paced run
   overlap80np) one s-overlap80np "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "--patches pace_beside=0" --max-requests 300 ;;  # unpaced
   esac
 done
+# each overlap run's TTFT p99 against the plain runs, with its interval (bench/series_compare.py)
+bases=""; runs=""
+for sc in $ONLY; do
+  case $sc in
+  plain|plain2|plain3) [ -f /tmp/s-$sc/plain/vllm_bench.json ] && bases="$bases --base $sc=/tmp/s-$sc/plain" ;;
+  overlap80|overlap80b|overlap80np)  # the runs the "<= 1.1x plain" aim is about
+    [ -f /tmp/s-$sc/overlap80/vllm_bench.json ] && runs="$runs $sc=/tmp/s-$sc/overlap80" ;;
+  esac
+done
+[ -n "$bases" ] && [ -n "$runs" ] && python3 bench/series_compare.py $bases $runs
 if [ "${SWEEP_S:-0}" -gt 0 ]; then
   echo "=== decode sweep ${SIZES:-174-256} at $(date -u +%T), budget ${SWEEP_S} s"
   export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
