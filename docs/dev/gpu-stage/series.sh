@@ -7,7 +7,8 @@
 # an A/A control; overlap80np: overlap80 with the standby's start unpaced, [patches] pace_beside = 0);
 # OPROMPTS (default 900) sets the prompts of plain, plain2 and the overlaps, ODEADLINE (300 s) the
 # overlaps' deadline (overlap80b: a second paced overlap run, plain3: a third plain one); then each
-# overlap run's TTFT p99 against the plain runs with its interval (bench/series_compare.py); then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
+# overlap run's TTFT p99 against the plain runs with its interval (bench/series_compare.py);
+# then, while SWEEP_S > 0, the decode sweep of SIZES beside an A/A control.
 # On a staged device (r.sh 4); on a fresh H100 the four took ~990 s with KPROMPTS=1500 (2026-12-07):
 #   bash docs/dev/gpu-stage/bg.sh start series env SWEEP_S=240 SIZES=174-256 bash docs/dev/gpu-stage/series.sh
 #   bash docs/dev/gpu-stage/bg.sh wait series 560      # back to back until it has ended
