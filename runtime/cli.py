@@ -322,20 +322,25 @@ def _vllm_probe(python: str) -> tuple[bool, bool, str]:
     return bool(found), bool(cpu), str(version)
 
 
-def attention_isa(cfg: GuardConfig, python: str, version: str) -> None:
+def attention_isa(cfg: GuardConfig, python: str, version: str, flags: frozenset[str] | None = None) -> None:
     """vLLM-CPU: the probe's verdict on its AMX attention kernel (`core.attn_isa`, cached in the
-    state dir), handed to every generation's processes through the environment they inherit."""
+    state dir), handed to every generation's processes through the environment they inherit.
+    ConfigError where `[inject] pretend_amx` asks for an AMX this CPU's vLLM build cannot pretend."""
     import structlog
 
     from vllm_guard.core import attn_isa
 
     log = structlog.get_logger("vllm_guard.serve")
     os.environ.pop(attn_isa.VAR, None)  # only this runtime's verdict reaches its generations
+    flags = attn_isa.cpu_flags() if flags is None else flags
+    pretend = attn_isa.pretended(cfg, os.environ)
+    if pretend and (why := attn_isa.pretend_refused(flags)):
+        raise ConfigError(why)
     if not cfg.patches.wants("attn-isa"):
         log.info("cpu_attention_isa", action="not probed", why="[patches] disables attn-isa: vLLM's choice stays")
         return
     verdict, cached = attn_isa.verdict(cfg.server.state_dir, python, version, dict(os.environ),
-                                       pretend=attn_isa.pretended(cfg, os.environ))
+                                       pretend=pretend, flags=flags)
     os.environ[attn_isa.VAR] = verdict.model_dump_json(by_alias=True)
     (log.warning if verdict.action != "keep" else log.info)(
         "cpu_attention_isa", action=verdict.action, picked=verdict.picked, why=verdict.reason, cached=cached,

@@ -201,7 +201,7 @@ HELP: dict[str, dict[str, str]] = {
         "gpu_memory_budget_gib": "emulate a GPU of this size (reserve the rest)",
         "hang_after_requests": "hang the engine after N requests",
         "crash_after_requests": "crash the engine after N requests",
-        "pretend_amx": "vLLM believes the CPU has AMX tiles (on a CPU without them its AMX attention dies of SIGILL)",
+        "pretend_amx": "vLLM believes the CPU has AMX tiles (on a CPU without them its AMX attention dies of SIGILL; needs avx512_bf16)",
     },
     "patches": {
         "enabled": "false: load no fix at all",

@@ -161,7 +161,31 @@ def test_a_kernel_that_returns_keeps_amx(tmp_path: Path, standin_env: dict[str, 
     assert "runs on this CPU" in v.reason
 
 
+def test_pretend_amx_is_refused_where_vllm_loads_a_build_without_amx_kernels() -> None:
+    """An AVX2-only CPU (AMD EPYC, seen) makes vLLM load `_C_AVX2`: a pretended AMX there dies in
+    the linear layers (no `convert_weight_packed`), which no real AMX CPU does."""
+    assert attn_isa.pretend_refused(NO_AMX) is None and attn_isa.pretend_refused(AMX) is None
+    why = attn_isa.pretend_refused(frozenset({"fpu", "avx2", "avx512f"}))
+    assert why is not None and why.startswith("[inject] pretend_amx needs a CPU with avx512_bf16")
+
+
+def test_serve_refuses_pretend_amx_on_such_a_cpu_with_one_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_guard.core.config import from_data
+    from vllm_guard.core.errors import ConfigError, EXIT_USAGE
+    from vllm_guard.runtime.cli import attention_isa
+
+    monkeypatch.delenv("VLLM_GUARD_INJECT", raising=False)
+    cfg = from_data({"inject": {"pretend_amx": True}})
+    with pytest.raises(ConfigError, match="pretend_amx needs a CPU with avx512_bf16") as e:
+        attention_isa(cfg, PY, "0.32.0", flags=frozenset({"fpu", "avx2"}))
+    assert e.value.exit_code == EXIT_USAGE
+
+
+EMULABLE = attn_isa.pretend_refused(attn_isa.cpu_flags())
+
+
 @needs_vllm
+@pytest.mark.skipif(EMULABLE is not None, reason=f"this CPU cannot stand for an AMX one: {EMULABLE}")
 def test_vllms_real_amx_kernel_gets_the_verdict_its_behaviour_earns(tmp_path: Path) -> None:
     """With AMX pretended, vLLM's own AMX kernel runs: where this CPU cannot execute AMX tiles
     (no AMX at all, or AMX the kernel will not grant) it dies of SIGILL at vLLM's op and AMX is

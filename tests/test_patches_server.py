@@ -4,8 +4,8 @@
 Two guarded servers, one per class (cold start ~60 s each on 2 cores):
 - audited: block leaks + a host leak injected, every patch on: patch reports per process, the audit
   reclaims exactly what the injector leaked, idle-release runs once per idle period, the host leak
-  shows in EngineCore RSS at the injected rate. vLLM also believes the CPU has AMX tiles
-  (`pretend_amx`), so on a CPU without them its AMX attention kernel would kill the worker with
+  shows in EngineCore RSS at the injected rate. Where the CPU has avx512_bf16, vLLM also believes
+  it has AMX tiles (`pretend_amx`), so on a CPU without them its AMX attention kernel would kill the worker with
   SIGILL on its first request, as on the CPUs the attn-isa patch is for: the runtime's probe
   finds that, every process runs attention on `vec`, and every test of the class is served.
 - unaudited: block leaks injected, audit off, and a target's shape changed by a second "plugin"
@@ -30,6 +30,7 @@ import psutil
 import pytest
 
 from conftest import GUARD_CMD, FreezeWitness, GuardServer
+from vllm_guard.core import attn_isa
 from vllm_guard.core import plugin as contract
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,8 @@ pytestmark = pytest.mark.slow
 WORDS = "alpha beta gamma delta river stone cloud light north paper green seven".split()
 ROLES = {"api_server", "engine_core", "worker"}
 IDLE_S = 5.0  # longer than the stalls a loaded 2-core box gives a client between two requests
+# `pretend_amx` stands for an AMX CPU only where vLLM loads its build with AMX kernels (avx512_bf16)
+AMX_EMULABLE = attn_isa.pretend_refused(attn_isa.cpu_flags())
 BUSY_PACE_S = 0.3  # a busy stretch's client sends at most one request per this long (<= 100 a stretch)
 HANG_AT = 1000  # past every other test of its server (a busy stretch may be redone): the hang test tops up to it
 CRASH_AT = 30
@@ -136,8 +139,9 @@ def start(tiny_model: str, state_dir: Path, env: dict[str, str]) -> GuardServer:
 
 @pytest.fixture(scope="class")
 def audited(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardServer]:
-    env = {"VLLM_GUARD_INJECT": f"block_leak_every=4,host_leak_mb_per_request=0.15,hang_after_requests={HANG_AT},"
-                                 "pretend_amx=true",
+    pretend = ",pretend_amx=true" if AMX_EMULABLE is None else ""  # where vLLM's build has AMX kernels
+    env = {"VLLM_GUARD_INJECT": f"block_leak_every=4,host_leak_mb_per_request=0.15,hang_after_requests={HANG_AT}"
+                                 + pretend,
            "VLLM_GUARD_PATCHES": f"idle_release_after={IDLE_S}"}
     s = start(tiny_model, tmp_path_factory.mktemp("patches-audited"), env)
     yield s
@@ -185,12 +189,11 @@ class TestAudited:
             assert by_role[role]["triton-ptxas"] == {
                 "state": "skipped", "reason": "not a CUDA build of torch: no Triton kernels for NVIDIA GPUs"}
 
+    @pytest.mark.skipif(AMX_EMULABLE is not None, reason=f"this CPU cannot stand for an AMX one: {AMX_EMULABLE}")
     def test_where_vllms_amx_attention_dies_every_process_runs_vec_and_says_why(self, server: GuardServer) -> None:
         """The probe ran vLLM's own kernel with the ISA vLLM picks (amx, pretended) on this CPU: it
         died of SIGILL (no AMX here) or, on a CPU whose AMX works, returned. Either way the
         verdict is in the state dir, every vLLM process carries it out, and the server serves."""
-        from vllm_guard.core import attn_isa
-
         (verdict,) = json.loads((server.state_dir / attn_isa.CACHE).read_text())["verdicts"].values()
         by_role = {r["process"]: r["patches"]["attn-isa"] for r in reports_by_role(server).values()}
         assert by_role["api_server"]["state"] == "skipped"  # no attention runs there
