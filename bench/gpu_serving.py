@@ -193,6 +193,9 @@ def guard_figures(state: Path, events: Path) -> dict[str, Any]:
 SCENARIOS: dict[str, dict[str, Any]] = {
     "plain": {"guard": False},
     "overlap80": {"budget": 80, "max_requests": 300},
+    # the guard's path alone: one generation behind the proxy, no recycle (with --standby off: no
+    # start beside it either), an A/A for the guard against plain vLLM
+    "guarded80": {"budget": 80},
     "gated24": {"budget": 24, "max_requests": 300},
     "kills24": {"budget": 24, "kills": True},
     "kills80": {"budget": 80, "kills": True},

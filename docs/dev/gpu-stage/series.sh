@@ -4,7 +4,8 @@
 # finished ones in the run's OUT): plain vLLM (pristine, 900 prompts), gated24 (--max-requests 600,
 # 1 800 prompts), kills24 (2 100 prompts, kills at 90 and 190 s; KPROMPTS and KILLS shorten it),
 # overlap80 (--max-requests 300, 900 prompts), in the order of ONLY (plain2: a second pristine run,
-# an A/A control; overlap80np: overlap80 with the standby's start unpaced, [patches] pace_beside = 0);
+# an A/A control; overlap80np: overlap80 with the standby's start unpaced, [patches] pace_beside = 0;
+# guarded: one generation behind the guard, no recycle, no standby: the guard's own path against plain);
 # OPROMPTS (default 900) sets the prompts of plain, plain2 and the overlaps, ODEADLINE (300 s) the
 # overlaps' deadline (overlap80b: a second paced overlap run, plain3: a third plain one); then each
 # overlap run's TTFT p99 against the plain runs with its interval (bench/series_compare.py);
@@ -32,6 +33,7 @@ for sc in $ONLY; do
   kills24) one s-kills24 400 kills24 "${KPROMPTS:-2100}" "--kill-at ${KILLS:-90 190}" ;;
   overlap80) one s-overlap80 "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "" --max-requests 300 ;;
   overlap80b) one s-overlap80b "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "" --max-requests 300 ;;  # a second paced run
+  guarded) one s-guarded "${ODEADLINE:-300}" guarded80 "${OPROMPTS:-900}" "--standby off" ;;  # the guard alone, nothing beside
   overlap80np) one s-overlap80np "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "--patches pace_beside=0" --max-requests 300 ;;  # unpaced
   esac
 done
@@ -42,6 +44,7 @@ for sc in $ONLY; do
   plain|plain2|plain3) [ -f /tmp/s-$sc/plain/vllm_bench.json ] && bases="$bases --base $sc=/tmp/s-$sc/plain" ;;
   overlap80|overlap80b|overlap80np)  # the runs the "<= 1.1x plain" aim is about
     [ -f /tmp/s-$sc/overlap80/vllm_bench.json ] && runs="$runs $sc=/tmp/s-$sc/overlap80" ;;
+  guarded) [ -f /tmp/s-guarded/guarded80/vllm_bench.json ] && runs="$runs guarded=/tmp/s-guarded/guarded80" ;;
   esac
 done
 [ -n "$bases" ] && [ -n "$runs" ] && python3 bench/series_compare.py $bases $runs
