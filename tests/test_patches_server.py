@@ -5,9 +5,10 @@ Two guarded servers, one per class (cold start ~60 s each on 2 cores):
 - audited: block leaks + a host leak injected, every patch on: patch reports per process, the audit
   reclaims exactly what the injector leaked, idle-release runs once per idle period, the host leak
   shows in EngineCore RSS at the injected rate. Where the CPU has avx512_bf16, vLLM also believes
-  it has AMX tiles (`pretend_amx`), so on a CPU without them its AMX attention kernel would kill the worker with
-  SIGILL on its first request, as on the CPUs the attn-isa patch is for: the runtime's probe
-  finds that, every process runs attention on `vec`, and every test of the class is served.
+  it has AMX tiles (`pretend_amx`), so on a CPU without them its AMX attention kernel would kill
+  the worker with SIGILL on its first request, as on the CPUs the attn-isa patch is for: the
+  runtime's probe finds that, every process runs attention on `vec`, and every test of the class
+  is served.
 - unaudited: block leaks injected, audit off, and a target's shape changed by a second "plugin"
   (sitecustomize wrapping `OutputProcessor.add_request`): KV usage at idle grows, the changed
   patch is skipped with its reason, the server still serves.
