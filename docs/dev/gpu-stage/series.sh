@@ -24,29 +24,26 @@ ONLY=${ONLY:-"plain gated24 kills24 overlap80"}
 # plain's deadline grows with its prompts: the series' first run also compiles afresh (~200 s
 # before its first request on a fresh H100), and 330 s cut 1 500 prompts at 1 397 (2026-12-07)
 PDL=$(( ${OPROMPTS:-900} / 10 + 240 ))
+bases=""; runs=""  # for the comparison at the end: plain runs are its bases, overlaps and guarded its runs
 for sc in $ONLY; do
+  res=""; role=run
   case $sc in
-  plain) one s-plain $PDL plain "${OPROMPTS:-900}" "" ;;
-  plain2) one s-plain2 $PDL plain "${OPROMPTS:-900}" "" ;;  # an A/A control: plain's own spread beside the first
-  plain3) one s-plain3 $PDL plain "${OPROMPTS:-900}" "" ;;
+  plain|plain2|plain3) one s-$sc $PDL plain "${OPROMPTS:-900}" ""; res=/tmp/s-$sc/plain; role=base ;;  # plain2, plain3: A/A controls
   gated24) one s-gated24 420 gated24 1800 "" --max-requests 600 ;;
   kills24) one s-kills24 400 kills24 "${KPROMPTS:-2100}" "--kill-at ${KILLS:-90 190}" ;;
-  overlap80) one s-overlap80 "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "" --max-requests 300 ;;
-  overlap80b) one s-overlap80b "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "" --max-requests 300 ;;  # a second paced run
-  guarded) one s-guarded "${ODEADLINE:-300}" guarded80 "${OPROMPTS:-900}" "--standby off" ;;  # the guard alone, nothing beside
-  overlap80np) one s-overlap80np "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "--patches pace_beside=0" --max-requests 300 ;;  # unpaced
+  overlap80|overlap80b)  # overlap80b: a second paced run
+    one s-$sc "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "" --max-requests 300; res=/tmp/s-$sc/overlap80 ;;
+  overlap80np)  # unpaced
+    one s-overlap80np "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "--patches pace_beside=0" --max-requests 300
+    res=/tmp/s-overlap80np/overlap80 ;;
+  guarded)  # the guard alone, nothing beside
+    one s-guarded "${ODEADLINE:-300}" guarded80 "${OPROMPTS:-900}" "--standby off"; res=/tmp/s-guarded/guarded80 ;;
   esac
+  if [ -n "$res" ] && [ -f "$res/vllm_bench.json" ]; then
+    if [ $role = base ]; then bases="$bases --base $sc=$res"; else runs="$runs $sc=$res"; fi
+  fi
 done
-# each overlap run's TTFT p99 against the plain runs, with its interval (bench/series_compare.py)
-bases=""; runs=""
-for sc in $ONLY; do
-  case $sc in
-  plain|plain2|plain3) [ -f /tmp/s-$sc/plain/vllm_bench.json ] && bases="$bases --base $sc=/tmp/s-$sc/plain" ;;
-  overlap80|overlap80b|overlap80np)  # the runs the "<= 1.1x plain" aim is about
-    [ -f /tmp/s-$sc/overlap80/vllm_bench.json ] && runs="$runs $sc=/tmp/s-$sc/overlap80" ;;
-  guarded) [ -f /tmp/s-guarded/guarded80/vllm_bench.json ] && runs="$runs guarded=/tmp/s-guarded/guarded80" ;;
-  esac
-done
+# each overlap (and guarded) run's TTFT p99 against the plain runs, with its interval (bench/series_compare.py)
 [ -n "$bases" ] && [ -n "$runs" ] && python3 bench/series_compare.py $bases $runs
 if [ "${SWEEP_S:-0}" -gt 0 ]; then
   echo "=== decode sweep ${SIZES:-174-256} at $(date -u +%T), budget ${SWEEP_S} s"
