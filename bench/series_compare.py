@@ -26,6 +26,7 @@ import lzma
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class Ratio:
     high: float
 
 
-def _die(msg: str) -> None:
+def _die(msg: str) -> NoReturn:
     """A bad input: one line, exit 2 (as every usage error)."""
     print(f"series_compare: {msg}", file=sys.stderr)
     sys.exit(2)
@@ -67,8 +68,7 @@ def load(name: str, path: Path, block_s: float) -> Run:
     ttfts = np.asarray(res.get("ttfts") or [], dtype=float)
     starts = np.asarray(res.get("start_times") or [], dtype=float)
     if len(ttfts) == 0 or len(starts) != len(ttfts):
-        _die(f"{name}: {f} has no per-request ttfts and start_times "
-                         f"(vLLM's benchmark with --save-detailed)")
+        _die(f"{name}: {f} has no per-request ttfts and start_times (vLLM's benchmark with --save-detailed)")
     done = ttfts > 0  # vLLM's benchmark writes 0 for a request that failed
     blocks = np.floor((starts - starts.min()) / block_s).astype(int)
     return Run(name, ttfts[done] * 1000.0, blocks[done])
