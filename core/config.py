@@ -202,7 +202,8 @@ def _refusal(section: str, cls: type[Section], data: dict[str, Any], e: msgspec.
         expected = what.split("`")[1].removesuffix(" | null")
         reason = _EXPECTED.get(expected, what)
     elif what.startswith("Invalid enum value") and get_origin(base) is Literal:
-        reason = f"one of {', '.join(get_args(base))}"
+        numeric = get_origin(tp) in (Union, UnionType) and any(_unwrap(a)[0] is int for a in get_args(tp))
+        reason = f"one of {', '.join(get_args(base))}" + (" or a whole number" if numeric else "")
     elif described:
         reason = described[0]
     elif bound := _BOUND.match(what):

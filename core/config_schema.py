@@ -147,6 +147,11 @@ class ServerConfig(Section, frozen=True):
     # imported after its gate (recorded in the state dir) and freezes its heap for the collector;
     # it does not send vLLM's usage report again. Costs nothing after the gate; off: vLLM as it is
     warm_start: OnOff = "on"
+    # auto: on a GPU box of 8 CPUs or more, a generation that starts while another of its replica
+    # serves (a successor, the standby) runs on the last quarter of the runtime's CPUs until nothing
+    # serves beside it (its gate, or it goes live), so the serving engine's threads keep their cores
+    # (core/startcpus.py); a number: that many CPUs; off: every generation may use all of them
+    start_cpus: Literal["auto", "off"] | Annotated[int, Meta(ge=1, le=65536)] = "auto"
     replicas: Annotated[int, Meta(ge=1, le=64)] = 1  # vLLM servers behind the one proxy (one per GPU or TP group)
     gpus: tuple[GpuSelector, ...] = ()  # GPU indexes or UUIDs, one replica per GPU / TP group
 

@@ -126,6 +126,8 @@ class World:
         self.exit_code: int | None = None
         self.learned_gate: str | None = None
         self.unpaced: list[int] = []  # generations told to stop pacing, in order
+        self.start_cpus: tuple[int, ...] = (7,)  # a start beside a serving generation runs there (`core.startcpus`)
+        self.unpinned: list[tuple[int, str, bool]] = []  # (generation, why, its gate open then) as given all CPUs
         self.starts: dict[int, StartHistory] = {}
         self.standby_failures: dict[int, int] = {}
         self.routes: dict[int, Target] = {}  # generation -> target routed to
@@ -166,6 +168,7 @@ class World:
                          spawned_mono=self.now, beside=beside, standby=standby, kv=kv if held else "",
                          late=late and gated and held)
         gen.paced = plugin.pace_wanted(self.cfg, beside, gated, gen.late)
+        b.cpus = self.start_cpus if beside else ()  # as launch.Launcher: a start beside a serving one
         if held and kv == "held" and not gated:
             gen.kv_mb = self.kv_mb  # as its engine reports once its KV cache is mapped
         self.spawned.append((n, gen.late, gen.kv))
@@ -177,6 +180,11 @@ class World:
 
     async def unpace(self, gen: Generation) -> None:
         self.unpaced.append(gen.number)
+
+    async def unpin(self, gen: Generation, why: str) -> None:
+        if gen.backend.cpus:
+            gen.backend.cpus = ()
+            self.unpinned.append((gen.number, why, gen.gate_open))
 
     def holder_status(self, replica: int) -> None:
         return None

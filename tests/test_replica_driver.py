@@ -68,7 +68,9 @@ def test_overlap_switches_with_no_gap_and_the_old_one_retires_behind(tmp_path: P
         d = await w.command(RecycleCmd("test"))  # auto: two generations fit in the world's memory
         assert d.reply.accepted and "overlap" in d.reply.detail
         assert w.drivers[0].state is S.OVERLAP_STARTING and 1 in w.routes and 1 in w.past_limit
+        assert w.gen(2).backend.cpus == w.start_cpus and not w.gen(1).backend.cpus  # it starts beside 1
         await w.run_until(lambda: w.drivers[0].current.number == 2)
+        assert w.unpinned == [(2, "it serves", False)]  # all CPUs from the moment it serves
         assert w.drivers[0].state is S.SERVING and set(w.routes) == {2}  # the switch: never a moment with none
         assert w.handed_over == [1]  # its streams go on at generation 2: one generation computes
         assert [g.number for g in w.drivers[0].retiring] == [1]
@@ -128,8 +130,10 @@ def test_gated_parks_then_opens_the_gate_only_once_the_old_one_is_gone(tmp_path:
         for _ in range(3):
             await w.step()
         assert w.drivers[0].state is S.OPENING_GATE  # no room yet: the gate stays shut
+        assert w.gen(2).backend.cpus == w.start_cpus and w.unpinned == []  # parked as it started: beside 1
         w.has_room = True
         await w.run_until(lambda: w.drivers[0].state is S.SERVING)
+        assert w.unpinned == [(2, "its gate opens", False)]  # all CPUs before its start after the gate
         assert w.drivers[0].current.number == 2
         assert w.states()[-6:] == [S.GATED_PARKING, S.DRAINING, S.STOPPING, S.OPENING_GATE, S.PAST_GATE, S.SERVING]
         assert len(w.room_unwatched) == 1  # and no longer once its gate opened
@@ -182,8 +186,28 @@ def test_an_overlap_successor_still_starting_when_the_old_one_crashes_stops_paci
         w.gen(1).backend.rc = 1
         await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
         assert w.unpaced == [2] and w.books.failures.total == 1
+        assert w.unpinned == [(2, "nothing serves beside its start any more", False)]
 
     run(tmp_path, scenario, cfg())
+
+
+def test_an_unpaced_successor_started_on_a_few_cpus_gets_them_all_once_the_old_one_crashes(tmp_path: Path) -> None:
+    """Without pacing (`[patches] pace_beside = 0`) a successor still starts on the CPUs a start
+    beside a serving generation gets; when that generation dies it gets them all at once, not
+    only once it serves: its start is the whole outage now."""
+    async def scenario(w: World) -> None:
+        await serving(w)
+        w.plans.append(Plan(ready_s=30.0))
+        await w.command(RecycleCmd("test", strategy="overlap"))
+        await w.run_until(lambda: w.number >= 2)
+        assert not w.gen(2).paced and w.gen(2).backend.cpus == w.start_cpus
+        w.gen(1).backend.rc = 1
+        await w.run_until(lambda: w.drivers[0].state is S.STARTING)
+        assert w.unpinned == [(2, "nothing serves beside its start any more", False)] and w.unpaced == []
+        await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
+        assert w.unpinned == [(2, "nothing serves beside its start any more", False)]
+
+    run(tmp_path, scenario, cfg(patches__pace_beside=0.0))
 
 
 def test_a_successor_that_never_gets_ready_times_out(tmp_path: Path) -> None:

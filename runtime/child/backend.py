@@ -49,20 +49,21 @@ log = structlog.get_logger("vllm_guard.backend")
 
 MAX_N_VAR = "VLLM_MAX_N_SEQUENCES"  # vllm/envs.py (0.32: default 16384)
 SOCKET_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
-# `python -S -c _LAUNCH PARENT_PID NICE COMMAND...`: SIGKILL when the runtime (PARENT_PID) dies,
-# NICE levels below it, then exec vLLM (both survive exec). If the runtime died before prctl,
-# exit at once.
+# `python -S -c _LAUNCH PARENT_PID NICE CPUS COMMAND...`: SIGKILL when the runtime (PARENT_PID)
+# dies, NICE levels below it, on CPUS (comma-separated; "-": the runtime's own), then exec vLLM
+# (all three survive exec, and every process and thread vLLM starts inherits the last two). If the
+# runtime died before prctl, exit at once.
+_AFFINITY = ("if sys.argv[3]!='-':os.sched_setaffinity(0,[int(c) for c in sys.argv[3].split(',')])\n"
+             "os.execv(sys.argv[4],sys.argv[4:])\n")
 _LAUNCH = ("import ctypes,os,signal,sys\n"
            "ctypes.CDLL(None,use_errno=True).prctl(1,signal.SIGKILL,0,0,0)\n"
            "if os.getppid()!=int(sys.argv[1]):os._exit(70)\n"
-           "os.nice(int(sys.argv[2]))\n"
-           "os.execv(sys.argv[3],sys.argv[3:])\n")
+           "os.nice(int(sys.argv[2]))\n" + _AFFINITY)
 # The same without the parent-death signal: a generation that may be handed over to the next
 # runtime must outlive this one; the keeper alone stops it if this runtime dies instead.
 _LAUNCH_KEPT = ("import os,sys\n"
                 "if os.getppid()!=int(sys.argv[1]):os._exit(70)\n"
-                "os.nice(int(sys.argv[2]))\n"
-                "os.execv(sys.argv[3],sys.argv[3:])\n")
+                "os.nice(int(sys.argv[2]))\n" + _AFFINITY)
 _keeper: Keeper | None = None
 
 
@@ -150,6 +151,7 @@ class Backend:
     uds: Path | None = None  # vLLM's --uds socket (set when host is empty)
     nice: int = 0  # nice levels below the runtime ([server] backend_nice)
     deathsig: bool = True  # dies with the runtime (False: it may be handed over, the keeper guards it)
+    cpus: tuple[int, ...] = ()  # the CPUs it starts on (`core.startcpus`); empty: the runtime's own
 
     def __post_init__(self) -> None:
         if not self.host and self.uds is None:
@@ -190,7 +192,8 @@ class Backend:
     def launch_command(self) -> list[str]:
         """`command()` behind the parent-death launcher."""
         launch = _LAUNCH if self.deathsig else _LAUNCH_KEPT
-        return [self.python, "-S", "-c", launch, str(os.getpid()), str(self.nice), *self.command()]
+        cpus = ",".join(map(str, self.cpus)) or "-"
+        return [self.python, "-S", "-c", launch, str(os.getpid()), str(self.nice), cpus, *self.command()]
 
     def _open_log(self) -> int:
         """The generation's log, opened with no link followed inside the state dir."""
@@ -240,6 +243,16 @@ class Backend:
             k.watch(proc.pid)
             for pid in sorted(self.known_pids):
                 k.process(proc.pid, pid)
+
+    async def unpin(self, cpus: Iterable[int]) -> int:
+        """Every thread of every process of this generation may run on `cpus` from now on (it was
+        started on `self.cpus`); how many threads were moved. Threads and processes it starts
+        later inherit that from the thread that starts them."""
+        if not self.cpus or self.proc is None:
+            return 0
+        self.cpus = ()
+        pids = {c.pid for c in await self.children()} | {self.pid}
+        return await asyncio.to_thread(procs.set_affinity, pids, set(cpus))
 
     # -- processes (blocking /proc reads run in a worker thread) ------------------------------
     async def children(self) -> list[ChildProcess]:

@@ -73,6 +73,24 @@ def tree(root_pid: int) -> list[ChildProcess]:
     return out
 
 
+def set_affinity(pids: Iterable[int], cpus: set[int], proc: str = "/proc") -> int:
+    """Every thread of these processes may run on `cpus` (sched_setaffinity is per thread: a
+    process's is its main thread's); how many threads took it. Gone ones are skipped."""
+    moved = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"{proc}/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+                moved += 1
+            except (OSError, ValueError):  # the thread ended meanwhile
+                continue
+    return moved
+
+
 def group_members(pgid: int) -> set[int]:
     out = set()
     for p in psutil.process_iter(["pid"]):

@@ -178,6 +178,7 @@ class ReplicaDriver:
         if e.past_limit:
             await self.door.allow_past_limit(gen.target)  # the limit is soft: its successor starts beside it
         gen.went_live()
+        await self.spawner.unpin(gen, "it serves")
         gen.note_engines(await gen.backend.children())
         await self.spawner.went_live(gen)
         self.books.generation_ready(gen)
@@ -273,6 +274,7 @@ class ReplicaDriver:
         gen = self._find(e.generation)
         if gen.gate is not None:
             kv = e.kv if gen.kv else ""  # only where the spawner let it map the held KV cache
+            await self.spawner.unpin(gen, "its gate opens")  # before: its start after the gate is the gap
             await asyncio.to_thread(plugin.open_gate, gen.gate, kv)
             if kv and not gen.late:
                 gen.kv = kv  # an early-gated engine allocates its KV cache after the gate, as told here
@@ -282,6 +284,7 @@ class ReplicaDriver:
 
     async def _unpace(self, e: Unpace) -> Event | None:
         gen = self._find(e.generation)
+        await self.spawner.unpin(gen, "nothing serves beside its start any more")
         if gen.paced and not gen.unpaced:
             await self.spawner.unpace(gen)
             gen.unpaced = True

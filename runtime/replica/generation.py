@@ -100,7 +100,7 @@ class Generation:
             deadline=self.deadline, kill_sent=self.kill_sent, stop_mark=self.stop_mark, gone=self.gone,
             gpu_free=self.gpu_free, alive=self.alive, end_reason=self.end_reason, death=self.death,
             config=self.config, kv=self.kv, kv_mb=self.kv_mb, late=self.late,
-            paced=self.paced and not self.unpaced,
+            paced=self.paced and not self.unpaced, pinned=bool(b.cpus),
             weights_mb=self.weights.bytes / 2**20 if self.weights is not None and
             (self.weights.source is Source.HELD or self.weights.given) else 0.0)
 

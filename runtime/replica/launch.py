@@ -17,6 +17,7 @@ import structlog
 
 from vllm_guard.core import plugin
 from vllm_guard.core import holder as held
+from vllm_guard.core import startcpus
 from vllm_guard.core.config import GuardConfig, ServerConfig
 from vllm_guard.core.protocol import HolderStatus
 
@@ -68,6 +69,8 @@ class Launcher:
         self.holders: dict[int, HolderProcess] = {}  # per replica: the weight holder (`core.holder`)
         self.pending_drop: dict[int, str] = {}  # per replica: why its copy goes once nothing maps it
         self._settle_tried: dict[int, float] = {}
+        self.all_cpus = tuple(sorted(os.sched_getaffinity(0)))  # the runtime's own: a start gets them back
+        self._cpus_said = ""  # the start CPU rule's last reason, once logged
 
     def configure(self, cfg: GuardConfig, model: str, config_hash: str, changed: Sequence[str]) -> None:
         """A reload's configuration: every generation launched from now on runs it; each replica's
@@ -93,6 +96,20 @@ class Launcher:
             log.info("prestage_skipped", generation=generation, why=why)
             return None
         return str(Path(self.model).resolve())
+
+    def start_cpus(self) -> tuple[int, ...]:
+        """The CPUs a start beside a serving generation runs on (`core.startcpus`); empty: all."""
+        rule = startcpus.start_cpus(self.cfg.server.start_cpus, self.all_cpus, self.gpu_box,
+                                    self.cfg.server.vllm_args)
+        if rule.why != self._cpus_said:
+            log.info("start_cpus", cpus=list(rule.cpus) or None, why=rule.why)
+            self._cpus_said = rule.why
+        return rule.cpus
+
+    async def unpin(self, gen: Generation, why: str) -> None:
+        moved = await gen.backend.unpin(self.all_cpus)
+        if moved:
+            log.info("generation_unpinned", generation=gen.number, replica=gen.replica, threads=moved, why=why)
 
     # -- the weight holder ------------------------------------------------------------------------
     def holder_device(self) -> str | None:
@@ -235,7 +252,8 @@ class Launcher:
         env = plugin.pace_env(env, self.cfg, plugin.pace_wanted(self.cfg, beside, gate is not None, late))
         backend = Backend(generation=n, model=self.model, host=s.backend_host, port=free_port(s.backend_host),
                           vllm_args=list(s.vllm_args), log_path=self.state_dir / "logs" / f"generation-{n}.log",
-                          python=self.python, env=env, nice=s.backend_nice, deathsig=not self.kept)
+                          python=self.python, env=env, nice=s.backend_nice, deathsig=not self.kept,
+                          cpus=self.start_cpus() if beside else ())
         target = Target(generation=n, url=backend.url, limit=generation_limit(self.cfg.recycle))
         try:
             await backend.start()
@@ -251,6 +269,7 @@ class Launcher:
         log.info("generation_starting", generation=n, replica=replica, pid=backend.pid, backend=backend.url,
                  max_requests=target.limit, strategy=strategy, gated=gated, beside=beside,
                  kv=gen.kv or None, late_gate=late or None, paced=env.get(plugin.PACE_VAR),
+                 cpus=list(backend.cpus) or None,
                  gpus=self.plans[replica].gpus or None, log=str(backend.log_path), config=self.config_hash or None,
                  config_changed=list(changed) or None)
         await asyncio.to_thread(prune_logs, self.state_dir / "logs")

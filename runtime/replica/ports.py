@@ -39,6 +39,9 @@ class Spawner(Protocol):
     async def unpace(self, gen: Generation) -> None:
         """Tell `gen`'s paced start that nothing serves beside it any more (`core.plugin.unpace`)."""
 
+    async def unpin(self, gen: Generation, why: str) -> None:
+        """`gen` may use every CPU of the runtime from now on (it started on a few: `core.startcpus`)."""
+
 
 class Door(Protocol):
     enforce_limit: bool  # a generation stops taking requests at its count limit (not while held)

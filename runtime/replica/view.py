@@ -76,6 +76,7 @@ class GenView:
     weights_mb: float = 0.0  # the held weights it maps (MiB): mapped, or loaded and given to the holder
     late: bool = False  # gated to park once ready on the held KV cache, not before CUDA
     paced: bool = False  # its engine start is paced for a generation serving beside it, and still told to
+    pinned: bool = False  # it started on a few CPUs beside a serving generation (`core.startcpus`), and still runs there
 
     @property
     def maps_held_kv(self) -> bool:
