@@ -93,8 +93,9 @@ def test_least_outstanding_routing_spreads_load_over_both_replicas(duo: GuardSer
 def test_rolling_overlap_recycle_under_streaming_load_fails_nothing_and_queues_nothing(duo: GuardServer) -> None:
     before = duo.status()
     n0 = before["recycles"]
-    reply = duo.admin("recycle", "--reason", "test rolling overlap")
+    reply = duo.admin("recycle", "--reason", "test rolling overlap", "--class", "preventive")
     assert reply.returncode == 0, reply.stderr
+    assert reply.stdout.startswith("recycle: accepted"), reply.stdout
 
     def done() -> bool:
         s = duo.status()
@@ -119,6 +120,15 @@ def test_rolling_overlap_recycle_under_streaming_load_fails_nothing_and_queues_n
     begins = [e for e in ev if e.get("event") == "recycle_begin"][-2:]
     assert all("two generations fit" in e["why"] for e in begins), begins
     assert {r["recycle_strategy"] for r in st["replicas"]} == {"overlap"}
+    # the operator's reason and class, on both replicas' recycles: in the ledger and in status
+    db = sqlite3.connect(duo.state_dir / "ledger.sqlite")
+    try:
+        said = db.execute("SELECT trigger, class FROM recycles ORDER BY id").fetchall()[-2:]
+    finally:
+        db.close()
+    assert said == [("test rolling overlap", "preventive")] * 2, said
+    last = st["recent_recycles"][-1]
+    assert (last["reason"], last["cls"]) == ("test rolling overlap", "preventive") and last["duration_s"] is not None
     gens = {r.generation for r in results}
     assert len(gens) >= 3, f"the load saw only generations {gens} across a rolling recycle"
     assert time.monotonic() - t0 < 1800
