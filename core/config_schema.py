@@ -150,8 +150,9 @@ class ServerConfig(Section, frozen=True):
     # auto: on a GPU box of 8 CPUs or more, a generation that starts while another of its replica
     # serves (a successor, the standby) runs on the last quarter of the runtime's CPUs until nothing
     # serves beside it (its gate, or it goes live), so the serving engine's threads keep their cores
-    # (core/startcpus.py); a number: that many CPUs; off: every generation may use all of them
-    start_cpus: Literal["auto", "off"] | Annotated[int, Meta(ge=1, le=65536)] = "auto"
+    # (core/startcpus.py); a number: that many CPUs; off: every generation may use all of them. Off
+    # by default: on an H100 it did not lower the serving engine's TTFT (docs/BENCHMARKS.md)
+    start_cpus: Literal["auto", "off"] | Annotated[int, Meta(ge=1, le=65536)] = "off"
     replicas: Annotated[int, Meta(ge=1, le=64)] = 1  # vLLM servers behind the one proxy (one per GPU or TP group)
     gpus: tuple[GpuSelector, ...] = ()  # GPU indexes or UUIDs, one replica per GPU / TP group
 

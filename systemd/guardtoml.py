@@ -109,8 +109,8 @@ HELP: dict[str, dict[str, str]] = {
         "warm_start": "on: a generation parked at its gate first imports the modules the last one imported after "
                       "its gate (recorded in the state dir), freezes its heap for the garbage collector and does not "
                       "send vLLM's usage report again; off: vLLM's start as it is",
-        "start_cpus": "auto: on a GPU box a generation starting beside a serving one runs on the last quarter of the "
-                      "CPUs until it takes over; a number: that many; off: all CPUs",
+        "start_cpus": "off: every generation may use all CPUs; auto: on a GPU box a generation starting beside a "
+                      "serving one runs on the last quarter of them until it takes over; a number: that many",
         "replicas": "vLLM servers behind the one proxy (one per GPU or tensor-parallel group); they recycle "
                     "one at a time",
         "gpus": "GPU indexes or UUIDs, one replica per GPU (or per --tensor-parallel-size GPUs); "

@@ -5,7 +5,7 @@
 # 1 800 prompts), kills24 (2 100 prompts, kills at 90 and 190 s; KPROMPTS and KILLS shorten it),
 # overlap80 (--max-requests 300, 900 prompts), in the order of ONLY (plain2: a second pristine run,
 # an A/A control; overlap80np: overlap80 with the standby's start unpaced, [patches] pace_beside = 0;
-# overlap80wide: overlap80 with the standby's start on all CPUs, [server] start_cpus = "off";
+# overlap80pin: overlap80 with the standby's start on a quarter of the CPUs, [server] start_cpus = "auto";
 # guarded: one generation behind the guard, no recycle, no standby: the guard's own path against plain);
 # OPROMPTS (default 900) sets the prompts of plain, plain2 and the overlaps, ODEADLINE (300 s) the
 # overlaps' deadline (overlap80b: a second paced overlap run, plain3: a third plain one); then each
@@ -34,9 +34,9 @@ for sc in $ONLY; do
   kills24) one s-kills24 400 kills24 "${KPROMPTS:-2100}" "--kill-at ${KILLS:-90 190}" ;;
   overlap80|overlap80b)  # overlap80b: a second paced run
     one s-$sc "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "" --max-requests 300; res=/tmp/s-$sc/overlap80 ;;
-  overlap80wide)  # the standby's start on all CPUs, as before [server] start_cpus
-    one s-overlap80wide "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" '--server start_cpus="off"' --max-requests 300
-    res=/tmp/s-overlap80wide/overlap80 ;;
+  overlap80pin)  # the standby's start on the last quarter of the CPUs, [server] start_cpus = "auto"
+    one s-overlap80pin "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" '--server start_cpus="auto"' --max-requests 300
+    res=/tmp/s-overlap80pin/overlap80 ;;
   overlap80np)  # unpaced
     one s-overlap80np "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "--patches pace_beside=0" --max-requests 300
     res=/tmp/s-overlap80np/overlap80 ;;
