@@ -21,6 +21,7 @@ import msgspec
 from vllm_guard.core import plugin
 from vllm_guard.core.config import GuardConfig
 from vllm_guard.core.protocol import ChildProcess, GateReport
+from vllm_guard.core.startcpus import start_cpus
 from vllm_guard.runtime.child.backend import Backend
 from vllm_guard.runtime.frontdoor.target import Target
 from vllm_guard.runtime.records.books import RuntimeBooks
@@ -126,7 +127,6 @@ class World:
         self.exit_code: int | None = None
         self.learned_gate: str | None = None
         self.unpaced: list[int] = []  # generations told to stop pacing, in order
-        self.start_cpus: tuple[int, ...] = (7,)  # a start beside a serving generation runs there (`core.startcpus`)
         self.unpinned: list[tuple[int, str, bool]] = []  # (generation, why, its gate open then) as given all CPUs
         self.starts: dict[int, StartHistory] = {}
         self.standby_failures: dict[int, int] = {}
@@ -168,7 +168,8 @@ class World:
                          spawned_mono=self.now, beside=beside, standby=standby, kv=kv if held else "",
                          late=late and gated and held)
         gen.paced = plugin.pace_wanted(self.cfg, beside, gated, gen.late)
-        b.cpus = self.start_cpus if beside else ()  # as launch.Launcher: a start beside a serving one
+        if beside:  # as launch.Launcher, on a box of 16 CPUs with a GPU
+            b.cpus = start_cpus(self.cfg.server.start_cpus, range(16), True, self.cfg.server.vllm_args).cpus
         if held and kv == "held" and not gated:
             gen.kv_mb = self.kv_mb  # as its engine reports once its KV cache is mapped
         self.spawned.append((n, gen.late, gen.kv))

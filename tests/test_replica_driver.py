@@ -68,7 +68,7 @@ def test_overlap_switches_with_no_gap_and_the_old_one_retires_behind(tmp_path: P
         d = await w.command(RecycleCmd("test"))  # auto: two generations fit in the world's memory
         assert d.reply.accepted and "overlap" in d.reply.detail
         assert w.drivers[0].state is S.OVERLAP_STARTING and 1 in w.routes and 1 in w.past_limit
-        assert w.gen(2).backend.cpus == w.start_cpus and not w.gen(1).backend.cpus  # it starts beside 1
+        assert w.gen(2).backend.cpus == (12, 13, 14, 15) and not w.gen(1).backend.cpus  # it starts beside 1
         await w.run_until(lambda: w.drivers[0].current.number == 2)
         assert w.unpinned == [(2, "it serves", False)]  # all CPUs from the moment it serves
         assert w.drivers[0].state is S.SERVING and set(w.routes) == {2}  # the switch: never a moment with none
@@ -78,7 +78,7 @@ def test_overlap_switches_with_no_gap_and_the_old_one_retires_behind(tmp_path: P
         assert w.gen(1).ended and w.gen(1).backend.signals == [signal.SIGTERM]
         assert w.states() == [S.STARTING, S.SERVING, S.OVERLAP_STARTING, S.SERVING]
 
-    w = run(tmp_path, scenario, cfg())
+    w = run(tmp_path, scenario, cfg(server__start_cpus="auto"))
     (rec,) = rows(w, "SELECT strategy, downtime_s FROM recycles")
     assert rec == ("overlap", 0.0)
 
@@ -94,6 +94,7 @@ def test_a_recycle_asked_for_before_the_first_memory_reading_waits_for_it_not_co
         assert d.reply.accepted and "no memory reading yet" in d.reply.detail, d.reply.detail
         assert w.drivers[0].state is S.WAITING_TURN and set(w.routes) == {1} and w.number == 1
         await w.run_until(lambda: w.drivers[0].current.number == 2)
+        assert w.gen(2).backend.cpus == () and w.unpinned == []  # start_cpus is off by default: all CPUs
         assert w.states() == [S.STARTING, S.SERVING, S.WAITING_TURN, S.OVERLAP_STARTING, S.SERVING]
 
     w = run(tmp_path, scenario, cfg())
@@ -130,7 +131,7 @@ def test_gated_parks_then_opens_the_gate_only_once_the_old_one_is_gone(tmp_path:
         for _ in range(3):
             await w.step()
         assert w.drivers[0].state is S.OPENING_GATE  # no room yet: the gate stays shut
-        assert w.gen(2).backend.cpus == w.start_cpus and w.unpinned == []  # parked as it started: beside 1
+        assert w.gen(2).backend.cpus == (12, 13, 14, 15) and w.unpinned == []  # parked as it started: beside 1
         w.has_room = True
         await w.run_until(lambda: w.drivers[0].state is S.SERVING)
         assert w.unpinned == [(2, "its gate opens", False)]  # all CPUs before its start after the gate
@@ -139,7 +140,7 @@ def test_gated_parks_then_opens_the_gate_only_once_the_old_one_is_gone(tmp_path:
         assert len(w.room_unwatched) == 1  # and no longer once its gate opened
         assert w.handed_over == []  # no generation was live to take the old one's streams: they finished there
 
-    w = run(tmp_path, scenario, cfg())
+    w = run(tmp_path, scenario, cfg(server__start_cpus="auto"))
     (rec,) = rows(w, "SELECT strategy, ready_at FROM recycles")
     assert rec[0] == "gated" and rec[1]
 
@@ -188,7 +189,7 @@ def test_an_overlap_successor_still_starting_when_the_old_one_crashes_stops_paci
         assert w.unpaced == [2] and w.books.failures.total == 1
         assert w.unpinned == [(2, "nothing serves beside its start any more", False)]
 
-    run(tmp_path, scenario, cfg())
+    run(tmp_path, scenario, cfg(server__start_cpus="auto"))
 
 
 def test_an_unpaced_successor_started_on_a_few_cpus_gets_them_all_once_the_old_one_crashes(tmp_path: Path) -> None:
@@ -200,14 +201,14 @@ def test_an_unpaced_successor_started_on_a_few_cpus_gets_them_all_once_the_old_o
         w.plans.append(Plan(ready_s=30.0))
         await w.command(RecycleCmd("test", strategy="overlap"))
         await w.run_until(lambda: w.number >= 2)
-        assert not w.gen(2).paced and w.gen(2).backend.cpus == w.start_cpus
+        assert not w.gen(2).paced and w.gen(2).backend.cpus == (12, 13, 14, 15)
         w.gen(1).backend.rc = 1
         await w.run_until(lambda: w.drivers[0].state is S.STARTING)
         assert w.unpinned == [(2, "nothing serves beside its start any more", False)] and w.unpaced == []
         await w.run_until(lambda: w.drivers[0].state is S.SERVING and w.drivers[0].current.number == 2)
         assert w.unpinned == [(2, "nothing serves beside its start any more", False)]
 
-    run(tmp_path, scenario, cfg(patches__pace_beside=0.0))
+    run(tmp_path, scenario, cfg(patches__pace_beside=0.0, server__start_cpus="auto"))
 
 
 def test_a_successor_that_never_gets_ready_times_out(tmp_path: Path) -> None:
