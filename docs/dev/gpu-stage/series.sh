@@ -6,6 +6,7 @@
 # overlap80 (--max-requests 300, 900 prompts), in the order of ONLY (plain2: a second pristine run,
 # an A/A control; overlap80np: overlap80 with the standby's start unpaced, [patches] pace_beside = 0;
 # overlap80pin: overlap80 with the standby's start on a quarter of the CPUs, [server] start_cpus = "auto";
+# overlap80p4: overlap80 paced at 4, [patches] pace_beside = 4;
 # guarded: one generation behind the guard, no recycle, no standby: the guard's own path against plain);
 # OPROMPTS (default 900) sets the prompts of plain, plain2 and the overlaps, ODEADLINE (300 s) the
 # overlaps' deadline (overlap80b: a second paced overlap run, plain3: a third plain one); then each
@@ -37,6 +38,9 @@ for sc in $ONLY; do
   overlap80pin)  # the standby's start on the last quarter of the CPUs, [server] start_cpus = "auto"
     one s-overlap80pin "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" '--server start_cpus="auto"' --max-requests 300
     res=/tmp/s-overlap80pin/overlap80 ;;
+  overlap80p4)  # the standby's start paced at 4 (the default 2): the paced capture leaves the serving engine more
+    one s-overlap80p4 "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "--patches pace_beside=4" --max-requests 300
+    res=/tmp/s-overlap80p4/overlap80 ;;
   overlap80np)  # unpaced
     one s-overlap80np "${ODEADLINE:-300}" overlap80 "${OPROMPTS:-900}" "--patches pace_beside=0" --max-requests 300
     res=/tmp/s-overlap80np/overlap80 ;;
