@@ -25,6 +25,7 @@ from typing import NoReturn
 
 import numpy as np
 
+from series_compare import named  # bench/, beside this script: NAME=DIR, one rule for both
 from vllm_guard.report import ledgerread, tail
 
 QUANTILES = (50, 90, 99)
@@ -68,13 +69,6 @@ def by_phase(ledger: Path) -> dict[str, dict[str, float]]:
     for k in sorted(set(key.tolist())):
         out[k] = figures(ttft[key == k])
     return out
-
-
-def named(spec: str) -> tuple[str, Path]:
-    name, sep, where = spec.partition("=")
-    if not sep or not name or not where:
-        raise argparse.ArgumentTypeError(f"{spec!r}: expected NAME=DIR")
-    return name, Path(where)
 
 
 def main(argv: list[str] | None = None) -> int:
