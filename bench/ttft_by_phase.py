@@ -56,10 +56,8 @@ def by_phase(ledger: Path) -> dict[str, dict[str, float]]:
     w = d.waits
     if w.ttft_s.size == 0:
         _die(f"{ledger}: no request with a first token recorded")
-    ms = tail.moments(d.runtime)
-    lab = tail.label(w, ms)
-    key = np.array([f"{ms[i].kind}: {ms[i].part}" if i >= 0 and ms[i].part else
-                    (ms[i].kind if i >= 0 else "none") for i in lab])
+    kind, part, _, _ = tail.kinds_and_parts(w, d.runtime)  # the report's labels, per request
+    key = np.array([f"{k}: {p}" if p else k for k, p in zip(kind.tolist(), part.tolist())])
     ttft = w.ttft_s * 1000.0
 
     def figures(x: np.ndarray) -> dict[str, float]:

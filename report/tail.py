@@ -135,15 +135,22 @@ def label(w: Waits, ms: list[Moment]) -> np.ndarray:
     return out
 
 
+def kinds_and_parts(w: Waits, h: RuntimeHistory) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Moment]]:
+    """Per request: the kind of moment its wait is labelled with ("none" for none), the start's
+    part ("" for none) and the moment's index in the list also returned (-1: none)."""
+    ms = moments(h)
+    lab = label(w, ms)
+    kind = np.array([ms[i].kind if i >= 0 else "none" for i in lab])
+    part = np.array([ms[i].part if i >= 0 else "" for i in lab])
+    return kind, part, lab, ms
+
+
 def tail_report(w: Waits, h: RuntimeHistory) -> TailFigures:
     n = w.arrived.size
     if n == 0:
         return TailFigures(False, "no request with a first token recorded (the runtime's per-request rows: an older "
                                   "runtime kept none, or `request_retention` is 0)")
-    ms = moments(h)
-    lab = label(w, ms)
-    kind = np.array([ms[i].kind if i >= 0 else "none" for i in lab])
-    part = np.array([ms[i].part if i >= 0 else "" for i in lab])
+    kind, part, lab, ms = kinds_and_parts(w, h)
     slow = np.argsort(-w.ttft_s, kind="stable")[:max(1, int(round(n * (1.0 - QUANTILE))))]
     counts = [TailCount(k, "", int((kind[slow] == k).sum()), int((kind == k).sum())) for k in KINDS]
     pairs = sorted({(k, p) for k, p in zip(kind.tolist(), part.tolist()) if p})
