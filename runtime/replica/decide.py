@@ -407,7 +407,7 @@ def _opening_gate(v: ReplicaView, now: float, out: Out) -> None:
     f, nxt = v.facts, v.successor
     if stopped_or_held(v, now, out):
         return
-    if nxt is not None and (nxt.paced or nxt.pinned) and nxt.gate != "parked":  # the old one is gone: its start is all there is
+    if nxt is not None and nxt.held_back and nxt.gate != "parked":  # the old one is gone: its start is all there is
         out.add(Unpace(nxt.number))
     if nxt is None or successor_lost(v, out, nxt, waiting_words(nxt)):
         start_cold(v, now, out, Strategy.COLD.value)
@@ -450,7 +450,7 @@ def _failing(v: ReplicaView, now: float, out: Out) -> None:
     if nxt is not None and not _past_gate(nxt):
         out.to(S.OPENING_GATE, now, gate_span(v))  # a parked successor (a standby): open its gate
     elif nxt is not None:
-        if nxt.paced or nxt.pinned:  # an overlap's successor still starting: nothing serves beside it now
+        if nxt.held_back:  # an overlap's successor still starting: nothing serves beside it now
             out.add(Unpace(nxt.number))
         out.add(Promote())
         out.to(S.STARTING, now, max(1.0, nxt.spawned_at + f.cfg.server.startup_timeout - now))

@@ -79,6 +79,12 @@ class GenView:
     pinned: bool = False  # it started on a few CPUs beside a serving generation (`core.startcpus`), and still runs there
 
     @property
+    def held_back(self) -> bool:
+        """Its start is still held back for a generation serving beside it (paced or pinned):
+        `Unpace` lets it go at full speed once nothing serves beside it."""
+        return self.paced or self.pinned
+
+    @property
     def maps_held_kv(self) -> bool:
         """It maps (or will map) the holder's KV cache and is not gone: nothing else may compute on it."""
         return self.kv == KV_HELD and self.phase is not GenPhase.DONE and not self.gone
